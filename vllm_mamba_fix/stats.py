@@ -1,0 +1,83 @@
+"""Per-process counters of corrections, and their log lines.
+
+Log lines carry request ids and token counts only, never prompt content.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from vllm_mamba_fix._log import logger
+from vllm_mamba_fix.decision import Action
+
+# Requests whose first correction was logged at info; bounded so a long-running
+# engine does not grow it forever (an evicted id only logs at info again).
+_MAX_REMEMBERED_REQUESTS = 4096
+
+_lock = threading.Lock()
+_counts: dict[Action, int] = {Action.COLLAPSE_PREVENTED: 0, Action.REALIGNED: 0}
+_logged_requests: OrderedDict[str, None] = OrderedDict()
+_summary_registered = False
+
+
+def stats() -> dict[str, int]:
+    """This process's correction counters."""
+    with _lock:
+        return {
+            "collapses_prevented": _counts[Action.COLLAPSE_PREVENTED],
+            "chunks_realigned": _counts[Action.REALIGNED],
+        }
+
+
+def reset() -> None:
+    with _lock:
+        for action in _counts:
+            _counts[action] = 0
+        _logged_requests.clear()
+
+
+def record(action: Action, request_id: str, start: int, num_tokens: int, block_size: int) -> None:
+    with _lock:
+        _counts[action] += 1
+        first = request_id not in _logged_requests
+        if first:
+            _logged_requests[request_id] = None
+            if len(_logged_requests) > _MAX_REMEMBERED_REQUESTS:
+                _logged_requests.popitem(last=False)
+    log = logger.info if first else logger.debug
+    log(
+        "vllm-mamba-fix: %s for request %s at token %d: scheduling %d tokens (block size %d)",
+        action.value,
+        request_id,
+        start,
+        num_tokens,
+        block_size,
+    )
+
+
+def log_summary() -> None:
+    """Logged at process shutdown when anything was corrected."""
+    counts = stats()
+    if any(counts.values()):
+        logger.info(
+            "vllm-mamba-fix: this process prevented %d collapses and re-aligned %d chunks",
+            counts["collapses_prevented"],
+            counts["chunks_realigned"],
+        )
+
+
+def register_shutdown_summary() -> None:
+    """Log the summary at exit, in engine-core subprocesses too.
+
+    multiprocessing's finalizers run both at interpreter exit and when a
+    multiprocessing child ends (where ``atexit`` does not run after a fork).
+    """
+    global _summary_registered
+    with _lock:
+        if _summary_registered:
+            return
+        _summary_registered = True
+    from multiprocessing import util
+
+    util.Finalize(None, log_summary, exitpriority=10)

@@ -1,0 +1,100 @@
+"""Version policy: which vLLM releases need the fix, and how each family behaves.
+
+The facts come from reading every release's ``_mamba_block_aligned_split``
+(0.15.0 to 0.33.0). Pure data and ``packaging``; no vLLM import.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+
+class PrefillGate(enum.Enum):
+    """How a release decides that a request is still in prefill."""
+
+    NO_OUTPUT_TOKENS = "num_output_tokens == 0"  # 0.15-0.16
+    BEFORE_PREFILL_END = "start < max(num_prompt_tokens, num_tokens - 1)"  # 0.17+
+
+
+class Verdict(enum.Enum):
+    PATCH = "patch"  # affected: the fix is needed
+    NOT_NEEDED = "not-needed"  # fixed upstream
+    ABSENT = "absent"  # the method does not exist yet
+    UNKNOWN = "unknown"  # the version cannot be parsed
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    first: tuple[int, int, int]  # inclusive
+    end: tuple[int, int, int] | None  # exclusive; None: open-ended
+    verdict: Verdict
+    summary: str
+    prefill_gate: PrefillGate | None = PrefillGate.BEFORE_PREFILL_END
+    # Stock keeps a request that starts mid-block misaligned: re-align is vital.
+    stock_stays_misaligned: bool = False
+    # Stock budgets the encoder before the split, so a sub-block cut becomes 0.
+    image_deadlock: bool = True
+    extra_parameter: bool = False  # 0.24-0.25 pass a fifth positional argument
+
+
+_AFTER_ENCODER = "split after encoder budgeting"
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "<0.15", (0, 0, 0), (0, 15, 0), Verdict.ABSENT, "method absent; nothing to patch",
+        prefill_gate=None, image_deadlock=False,
+    ),
+    Family(
+        "0.15", (0, 15, 0), (0, 17, 0), Verdict.PATCH, f"chunk-length alignment; {_AFTER_ENCODER}",
+        prefill_gate=PrefillGate.NO_OUTPUT_TOKENS, stock_stays_misaligned=True,
+    ),
+    Family(
+        "0.17", (0, 17, 0), (0, 24, 0), Verdict.PATCH, f"chunk-length alignment; {_AFTER_ENCODER}",
+        stock_stays_misaligned=True,
+    ),
+    Family(
+        "0.24", (0, 24, 0), (0, 26, 0), Verdict.PATCH,
+        f"chunk-length alignment, fifth parameter; {_AFTER_ENCODER}",
+        stock_stays_misaligned=True, extra_parameter=True,
+    ),
+    Family(
+        "0.26", (0, 26, 0), (0, 27, 0), Verdict.PATCH, f"absolute-end alignment; {_AFTER_ENCODER}",
+    ),
+    Family(
+        "0.27", (0, 27, 0), (0, 28, 0), Verdict.PATCH,
+        f"absolute-end alignment with guard; {_AFTER_ENCODER}",
+    ),
+    Family(
+        "0.28+", (0, 28, 0), None, Verdict.NOT_NEEDED,
+        "upstream splits before encoder budgeting (vLLM #51603)", image_deadlock=False,
+    ),
+)  # fmt: skip
+
+# Used with VLLM_MAMBA_FIX=force when the version cannot be read.
+UNKNOWN_FAMILY = Family(
+    "unknown", (0, 0, 0), None, Verdict.UNKNOWN, "version not recognised", image_deadlock=False
+)
+
+
+def release_of(version: str) -> tuple[int, int, int] | None:
+    """The (major, minor, micro) release of a version; dev and local parts ignored."""
+    try:
+        parsed = Version(version.strip())
+    except (InvalidVersion, TypeError, AttributeError):
+        return None
+    major, minor, micro = (*parsed.release, 0, 0)[:3]
+    return major, minor, micro
+
+
+def family_for(version: str) -> Family:
+    release = release_of(version)
+    if release is None:
+        return UNKNOWN_FAMILY
+    for family in FAMILIES:
+        if family.first <= release and (family.end is None or release < family.end):
+            return family
+    return UNKNOWN_FAMILY  # not reached: FAMILIES covers every release
