@@ -19,6 +19,9 @@ class Action(enum.Enum):
     # The chunk started mid-block and would have crossed the next boundary,
     # caching a block whose Mamba state belongs to an earlier position.
     REALIGNED = "realigned"
+    # Stock floored a chunk cut short at an encoder input; upstream (0.28+)
+    # ends it at that input, saving a step.
+    STOPPED_AT_ENCODER_INPUT = "stopped-at-encoder-input"
 
 
 class Decision(NamedTuple):
@@ -37,25 +40,50 @@ def decide(
     start: int,
     block_size: int,
     in_prefill: bool,
+    uncut_stock_tokens: int | None = None,
 ) -> Decision:
     """Correct the stock result of ``_mamba_block_aligned_split``.
 
     ``stock_tokens`` is what vLLM's method returned for a chunk of at most
     ``num_new_tokens`` tokens starting at ``start`` (computed tokens so far).
+    ``uncut_stock_tokens`` is given when the chunk was cut short at the start
+    of an encoder input that could not be scheduled: what vLLM returns for the
+    chunk extended past the next boundary after that cut (its own stops kept).
 
     - Collapse: stock returned 0 for a prefill chunk that had tokens to give.
-      Schedule what fits before the next boundary, so the request progresses.
-    - Re-align: a prefill chunk starting mid-block stops at the next boundary,
-      so the block there is cached with the state that belongs to it.
+      Schedule what fits, so the request progresses.
+    - Re-align: a prefill chunk starting mid-block ends at or before the next
+      boundary, so the block there is cached with the state that belongs to it.
+    - Encoder stop: a chunk cut at an encoder input ends at that input, as it
+      does upstream, where the split runs before encoder budgeting.
     """
     if not in_prefill or num_new_tokens <= 0 or block_size <= 0 or stock_tokens < 0:
         return Decision(stock_tokens, Action.UNCHANGED)
     room = tokens_to_next_boundary(start, block_size)
+    mid_block = start % block_size != 0
+    # The furthest this chunk may end without breaking the re-align rule.
+    limit = min(num_new_tokens, room) if mid_block else num_new_tokens
+    upstream = stock_tokens if uncut_stock_tokens is None else min(uncut_stock_tokens, limit)
     if stock_tokens == 0:
-        return Decision(min(num_new_tokens, room), Action.COLLAPSE_PREVENTED)
-    if start % block_size and stock_tokens > room:
+        tokens = upstream if upstream > 0 else min(num_new_tokens, room)
+        return Decision(tokens, Action.COLLAPSE_PREVENTED)
+    if mid_block and stock_tokens > room:
         return Decision(room, Action.REALIGNED)
+    if upstream > stock_tokens:
+        return Decision(upstream, Action.STOPPED_AT_ENCODER_INPUT)
     return Decision(stock_tokens, Action.UNCHANGED)
+
+
+def can_need_correction(
+    stock_tokens: int, num_new_tokens: int, start: int, block_size: int
+) -> bool:
+    """False when :func:`decide` keeps the stock result whatever else holds.
+
+    The wrapper's fast path: a full chunk that stays inside its block or starts
+    on a boundary (every decode step and most prefill chunks).
+    """
+    offset = start % block_size
+    return stock_tokens != num_new_tokens or (offset != 0 and offset + stock_tokens > block_size)
 
 
 def in_prefill_by_output_tokens(num_output_tokens: int) -> bool:

@@ -22,9 +22,11 @@ from vllm_mamba_fix import stats
 from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.decision import (
     Action,
+    can_need_correction,
     decide,
     in_prefill_by_output_tokens,
     in_prefill_by_position,
+    tokens_to_next_boundary,
 )
 from vllm_mamba_fix.scope import ScopePolicy
 from vllm_mamba_fix.versions import PrefillGate
@@ -54,6 +56,14 @@ def _extra_computed_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int
     return extra
 
 
+def _encoder_input_starts_at(request: Any, position: int) -> bool:
+    """Whether an encoder input's placeholder starts at ``position``.
+
+    vLLM cuts a chunk exactly there when that input cannot be scheduled.
+    """
+    return any(feature.mm_position.offset == position for feature in request.mm_features)
+
+
 def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable[..., int]:
     by_position = options.prefill_gate is PrefillGate.BEFORE_PREFILL_END
     failure_reported = False
@@ -68,14 +78,22 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
             if args or kwargs:
                 start += _extra_computed_tokens(args, kwargs)
             block_size = self.cache_config.block_size
-            if stock and not start % block_size:
-                return stock  # progress from an aligned start: nothing to correct
+            if not can_need_correction(stock, num_new_tokens, start, block_size):
+                return stock
             in_prefill = (
                 in_prefill_by_position(start, request.num_prompt_tokens, request.num_tokens)
                 if by_position
                 else in_prefill_by_output_tokens(request.num_output_tokens)
             )
-            decision = decide(stock, num_new_tokens, start, block_size, in_prefill)
+            if not in_prefill:
+                return stock
+            uncut = None
+            end = start + num_new_tokens
+            if stock < num_new_tokens and _encoder_input_starts_at(request, end):
+                # Ask vLLM where it would stop if the encoder had not cut the chunk.
+                reach = num_new_tokens + tokens_to_next_boundary(end, block_size)
+                uncut = original(self, request, reach, *args, **kwargs)
+            decision = decide(stock, num_new_tokens, start, block_size, True, uncut)
             if decision.action is Action.UNCHANGED or (
                 decision.action is Action.REALIGNED and not options.realign
             ):

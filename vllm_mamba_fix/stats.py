@@ -16,7 +16,11 @@ from vllm_mamba_fix.decision import Action
 _MAX_REMEMBERED_REQUESTS = 4096
 
 _lock = threading.Lock()
-_counts: dict[Action, int] = {Action.COLLAPSE_PREVENTED: 0, Action.REALIGNED: 0}
+_counts: dict[Action, int] = {
+    Action.COLLAPSE_PREVENTED: 0,
+    Action.REALIGNED: 0,
+    Action.STOPPED_AT_ENCODER_INPUT: 0,
+}
 _logged_requests: OrderedDict[str, None] = OrderedDict()
 _summary_registered = False
 
@@ -27,6 +31,7 @@ def stats() -> dict[str, int]:
         return {
             "collapses_prevented": _counts[Action.COLLAPSE_PREVENTED],
             "chunks_realigned": _counts[Action.REALIGNED],
+            "chunks_stopped_at_encoder_input": _counts[Action.STOPPED_AT_ENCODER_INPUT],
         }
 
 
@@ -61,9 +66,11 @@ def log_summary() -> None:
     counts = stats()
     if any(counts.values()):
         logger.info(
-            "vllm-mamba-fix: this process prevented %d collapses and re-aligned %d chunks",
+            "vllm-mamba-fix: this process prevented %d collapses, re-aligned %d chunks and "
+            "stopped %d chunks at an encoder input",
             counts["collapses_prevented"],
             counts["chunks_realigned"],
+            counts["chunks_stopped_at_encoder_input"],
         )
 
 

@@ -1,0 +1,156 @@
+"""The correction rule: one test per rule, an exhaustive sweep, and a property test."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_mamba_fix.decision import (
+    Action,
+    Decision,
+    can_need_correction,
+    decide,
+    in_prefill_by_output_tokens,
+    in_prefill_by_position,
+    tokens_to_next_boundary,
+)
+
+BLOCK = 1056  # Qwen3.5-35B-A3B at TP1
+
+
+def test_collapse_from_aligned_start_schedules_the_sub_block_chunk() -> None:
+    # Image 2 starts 700 tokens in: stock floors 700 to 0 and the request hangs.
+    assert decide(0, 700, 2 * BLOCK, BLOCK, True) == Decision(700, Action.COLLAPSE_PREVENTED)
+
+
+def test_collapse_from_mid_block_start_stops_at_the_boundary() -> None:
+    start = 2 * BLOCK + 100
+    assert decide(0, 5000, start, BLOCK, True) == Decision(BLOCK - 100, Action.COLLAPSE_PREVENTED)
+
+
+def test_mid_block_chunk_crossing_the_boundary_is_realigned() -> None:
+    # 0.15-0.25 keep the length a multiple of the block: 100 + 2 * 1056 crosses two boundaries.
+    start = BLOCK + 100
+    assert decide(2 * BLOCK, 5000, start, BLOCK, True) == Decision(BLOCK - 100, Action.REALIGNED)
+
+
+def test_mid_block_chunk_ending_at_the_boundary_is_left_alone() -> None:
+    start = BLOCK + 100
+    assert decide(BLOCK - 100, 5000, start, BLOCK, True) == Decision(BLOCK - 100, Action.UNCHANGED)
+
+
+def test_aligned_progress_is_left_alone() -> None:
+    assert decide(3 * BLOCK, 8192, 0, BLOCK, True) == Decision(3 * BLOCK, Action.UNCHANGED)
+
+
+def test_decode_is_left_alone_even_when_stock_returns_zero() -> None:
+    assert decide(0, 1, 5000, BLOCK, False) == Decision(0, Action.UNCHANGED)
+
+
+def test_nothing_to_schedule_is_left_alone() -> None:
+    assert decide(0, 0, 100, BLOCK, True) == Decision(0, Action.UNCHANGED)
+
+
+def test_nonsense_inputs_are_left_alone() -> None:
+    assert decide(0, 10, 0, 0, True).action is Action.UNCHANGED
+    assert decide(-1, 10, 0, BLOCK, True).action is Action.UNCHANGED
+
+
+def test_encoder_cut_ends_at_the_encoder_input_like_upstream() -> None:
+    # Image 2 starts at 12000; stock floors the cut chunk to the boundary at 11616.
+    start, n = 7 * BLOCK, 12000 - 7 * BLOCK
+    stock, uncut = 11 * BLOCK - start, 12 * BLOCK - start
+    expected = Decision(n, Action.STOPPED_AT_ENCODER_INPUT)
+    assert decide(stock, n, start, BLOCK, True, uncut) == expected
+
+
+def test_encoder_cut_keeps_vllms_own_earlier_stop() -> None:
+    # vLLM would stop at 9 blocks (say, the last cacheable position) even uncut.
+    start, n = 7 * BLOCK, 12000 - 7 * BLOCK
+    stock = 9 * BLOCK - start
+    assert decide(stock, n, start, BLOCK, True, stock) == Decision(stock, Action.UNCHANGED)
+
+
+def test_encoder_cut_from_mid_block_stops_at_the_boundary() -> None:
+    start = 5 * BLOCK + 10
+    decision = decide(0, 3000, start, BLOCK, True, 3 * BLOCK)
+    assert decision == Decision(BLOCK - 10, Action.COLLAPSE_PREVENTED)
+
+
+def test_encoder_cut_to_zero_counts_as_a_prevented_collapse() -> None:
+    assert decide(0, 500, 0, BLOCK, True, BLOCK) == Decision(500, Action.COLLAPSE_PREVENTED)
+
+
+def test_prefill_gates() -> None:
+    assert in_prefill_by_output_tokens(0)
+    assert not in_prefill_by_output_tokens(1)
+    assert in_prefill_by_position(99, 100, 100)
+    assert not in_prefill_by_position(100, 100, 100)
+    # A resumed request replays its output: prefill runs to num_tokens - 1.
+    assert in_prefill_by_position(150, 100, 160)
+    assert not in_prefill_by_position(159, 100, 160)
+
+
+def test_tokens_to_next_boundary() -> None:
+    assert tokens_to_next_boundary(0, 16) == 16
+    assert tokens_to_next_boundary(5, 16) == 11
+    assert tokens_to_next_boundary(16, 16) == 16
+
+
+def _check(
+    stock: int, n: int, start: int, block: int, in_prefill: bool, uncut: int | None
+) -> None:
+    """Invariants computed independently of the implementation."""
+    tokens, action = decide(stock, n, start, block, in_prefill, uncut)
+    room = block - start % block
+    assert 0 <= tokens <= n
+    if not can_need_correction(stock, n, start, block):
+        assert (tokens, action) == (stock, Action.UNCHANGED)  # the wrapper's fast path is exact
+    if not in_prefill:
+        assert (tokens, action) == (stock, Action.UNCHANGED)
+        return
+    # Never hang: a prefill chunk with tokens to give makes progress.
+    assert tokens > 0 or n == 0
+    # Never poison: a chunk starting mid-block does not run past the boundary.
+    if start % block:
+        assert tokens <= room
+    respects_boundary = start % block == 0 or stock <= room
+    if stock > 0 and respects_boundary:
+        if uncut is None:
+            # Minimal: progress that respects the boundary is kept.
+            assert (tokens, action) == (stock, Action.UNCHANGED)
+        else:
+            # Upstream order: vLLM's own stops first, then the encoder cut.
+            furthest = min(n, room) if start % block else n
+            assert tokens == max(stock, min(uncut, furthest))
+    if stock > 0 and not respects_boundary:
+        assert (tokens, action) == (room, Action.REALIGNED)
+    if stock == 0 and n > 0:
+        assert action is Action.COLLAPSE_PREVENTED
+    if action is Action.UNCHANGED:
+        assert tokens == stock
+
+
+def test_exhaustive_small_grid() -> None:
+    for block, start, n in itertools.product(range(1, 9), range(0, 25), range(0, 20)):
+        uncut_values = (None, *range(0, n + 2 * block))
+        for stock, in_prefill, uncut in itertools.product(
+            range(0, n + 1), (True, False), uncut_values
+        ):
+            _check(stock, n, start, block, in_prefill, uncut)
+
+
+@given(
+    block=st.integers(1, 4096),
+    start=st.integers(0, 1 << 20),
+    n=st.integers(0, 1 << 16),
+    stock_fraction=st.floats(0, 1),
+    in_prefill=st.booleans(),
+    uncut=st.none() | st.integers(0, 1 << 17),
+)
+def test_invariants_hold_for_realistic_sizes(
+    block: int, start: int, n: int, stock_fraction: float, in_prefill: bool, uncut: int | None
+) -> None:
+    _check(int(n * stock_fraction), n, start, block, in_prefill, uncut)

