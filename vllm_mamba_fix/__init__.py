@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from vllm_mamba_fix.counters import stats
 from vllm_mamba_fix.plugin import register, unregister
-from vllm_mamba_fix.stats import stats
 
 __all__ = ["__version__", "register", "stats", "unregister"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_mamba_fix import stats
+from vllm_mamba_fix import counters
 from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.decision import (
     Action,
@@ -100,7 +100,7 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
                 return stock
             if not options.policy.in_scope(request):
                 return stock
-            stats.record(
+            counters.record(
                 decision.action, request.request_id, start, decision.num_tokens, block_size
             )
             return decision.num_tokens

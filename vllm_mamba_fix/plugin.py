@@ -12,7 +12,7 @@ import os
 import threading
 from types import ModuleType
 
-from vllm_mamba_fix import __version__, patch, stats
+from vllm_mamba_fix import __version__, counters, patch
 from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.config import ENV_MODE, Mode, Settings, load_settings
 from vllm_mamba_fix.scope import ScopePolicy
@@ -107,7 +107,7 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
             options = patch.WrapOptions(family.prefill_gate, ScopePolicy(settings.scope))
             patch.wrap(scheduler_cls, options)
             _patched.append(scheduler_cls)
-            stats.register_shutdown_summary()
+            counters.register_shutdown_summary()
             logger.info(
                 "vllm-mamba-fix %s active: patched Scheduler.%s (vLLM %s, family %s, scope %s, "
                 "pid %d)",

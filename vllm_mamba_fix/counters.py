@@ -5,6 +5,7 @@ Log lines carry request ids and token counts only, never prompt content.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 
@@ -22,7 +23,8 @@ _counts: dict[Action, int] = {
     Action.STOPPED_AT_ENCODER_INPUT: 0,
 }
 _logged_requests: OrderedDict[str, None] = OrderedDict()
-_summary_registered = False
+# The process that registered the summary; a forked child registers its own.
+_summary_pid: int | None = None
 
 
 def stats() -> dict[str, int]:
@@ -80,11 +82,11 @@ def register_shutdown_summary() -> None:
     multiprocessing's finalizers run both at interpreter exit and when a
     multiprocessing child ends (where ``atexit`` does not run after a fork).
     """
-    global _summary_registered
+    global _summary_pid
     with _lock:
-        if _summary_registered:
+        if _summary_pid == os.getpid():
             return
-        _summary_registered = True
+        _summary_pid = os.getpid()
     from multiprocessing import util
 
     util.Finalize(None, log_summary, exitpriority=10)
