@@ -7,6 +7,7 @@ and undoable; the original stays reachable as ``__wrapped__``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
@@ -39,6 +40,8 @@ EXPECTED_LEADING_PARAMETERS = ("self", "request", "num_new_tokens")
 EXTRA_COMPUTED_PARAMETERS = ("num_new_local_computed_tokens", "num_external_computed_tokens")
 # Set on our wrapper, so a second patch recognises it.
 MARKER = "__vllm_mamba_fix__"
+# Set on the ``__init_subclass__`` that reports subclasses defined after patching.
+SUBCLASS_WATCH = "__vllm_mamba_fix_watch__"
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ def unwrap(cls: type) -> bool:
     if not hasattr(method, MARKER):
         return False
     setattr(cls, METHOD_NAME, method.__wrapped__)
+    unwatch_subclasses(cls)
     return True
 
 
@@ -173,6 +177,40 @@ def overriding_subclasses(cls: type) -> list[type]:
             found.append(subclass)
         pending.extend(subclass.__subclasses__())
     return found
+
+
+def watch_subclasses(cls: type, on_override: Callable[[type], None]) -> None:
+    """Call ``on_override(subclass)`` for each subclass defined later that overrides the method.
+
+    Platform schedulers (vllm-gaudi's ``HPUAsyncScheduler``) are imported when
+    the engine resolves its scheduler class, after the base module was patched,
+    so :func:`overriding_subclasses` cannot see them at patch time.
+    """
+    previous = cls.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(subclass: type, **kwargs: Any) -> None:
+        if previous is not None:
+            previous.__get__(None, subclass)(**kwargs)
+        else:
+            super(cls, subclass).__init_subclass__(**kwargs)
+        if METHOD_NAME in subclass.__dict__:
+            with contextlib.suppress(Exception):  # a warning must not break class creation
+                on_override(subclass)
+
+    setattr(__init_subclass__, SUBCLASS_WATCH, (previous,))
+    cls.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
+
+
+def unwatch_subclasses(cls: type) -> None:
+    hook = getattr(cls.__dict__.get("__init_subclass__"), "__func__", None)
+    saved = getattr(hook, SUBCLASS_WATCH, None)
+    if saved is None:
+        return
+    (previous,) = saved
+    if previous is None:
+        delattr(cls, "__init_subclass__")
+    else:
+        cls.__init_subclass__ = previous  # type: ignore[method-assign]
 
 
 class _NotifyingLoader(importlib.abc.Loader):

@@ -119,13 +119,18 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                 os.getpid(),
             )
             for subclass in patch.overriding_subclasses(scheduler_cls):
-                _say_once(
-                    logging.WARNING,
-                    f"{subclass.__module__}.{subclass.__qualname__} overrides "
-                    f"{patch.METHOD_NAME}; the fix does not reach that scheduler",
-                )
+                _warn_override(subclass)
+            patch.watch_subclasses(scheduler_cls, _warn_override)
     except Exception as exc:
         _say_once(logging.WARNING, f"not patching after an error ({type(exc).__name__}: {exc})")
+
+
+def _warn_override(subclass: type) -> None:
+    _say_once(
+        logging.WARNING,
+        f"{subclass.__module__}.{subclass.__qualname__} overrides "
+        f"{patch.METHOD_NAME}; the fix does not reach that scheduler",
+    )
 
 
 def unregister() -> bool:

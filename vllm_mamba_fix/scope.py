@@ -33,8 +33,11 @@ class ScopePolicy:
                 request=request, scope=self.scope.value
             )
         except Exception as exc:
+            # Built-in rule first: if it fails too, the request itself is unusable and
+            # the caller reports that once, instead of blaming a scope hook as well.
+            fallback = builtin_in_scope(request, self.scope)
             self._report_hook_failure(exc)
-            answer = None
+            return fallback
         return builtin_in_scope(request, self.scope) if answer is None else bool(answer)
 
     def _plugin_manager(self) -> pluggy.PluginManager:

@@ -1,0 +1,152 @@
+"""Hygiene: the plugin reads only its own env variables and logs no prompt content.
+
+Files and sockets are audited in a real vLLM process (test_subprocess_faults).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Callable, Iterator, MutableMapping
+from pathlib import Path
+
+import pytest
+
+import vllm_mamba_fix
+from tests.faults.conftest import BLOCK, FakeRequest, FakeVllm, LogCapture
+from vllm_mamba_fix import register, unregister
+
+FakeFactory = Callable[..., FakeVllm]
+OWN_VARIABLES = {"VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE"}
+# Modules allowed to touch the environment: configuration, and the doctor's report.
+ENV_MODULES = {"config.py", "doctor.py"}
+
+
+class RecordingEnviron(MutableMapping[str, str]):
+    """``os.environ`` that records every variable read, and whole-environment reads."""
+
+    def __init__(self, real: MutableMapping[str, str]) -> None:
+        self.real = real
+        self.read: list[str] = []
+
+    def __getitem__(self, key: str) -> str:
+        self.read.append(key)
+        return self.real[key]
+
+    def __contains__(self, key: object) -> bool:
+        self.read.append(str(key))
+        return key in self.real
+
+    def __iter__(self) -> Iterator[str]:
+        self.read.append("<whole environment>")
+        return iter(self.real)
+
+    def __len__(self) -> int:
+        self.read.append("<whole environment>")
+        return len(self.real)
+
+    def __setitem__(self, key: str, value: str) -> None:
+        self.read.append(f"<write {key}>")
+        self.real[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        self.read.append(f"<delete {key}>")
+        del self.real[key]
+
+    def copy(self) -> dict[str, str]:
+        self.read.append("<whole environment>")
+        return dict(self.real)
+
+
+def test_reads_only_its_own_variables(
+    monkeypatch: pytest.MonkeyPatch, logs: LogCapture, fake_vllm: FakeFactory
+) -> None:
+    monkeypatch.setenv("VLLM_MAMBA_FIX_SCOPE", "all")
+    monkeypatch.setenv("VLLM_PLUGINS", "mamba_fix")
+    monkeypatch.setenv("HF_TOKEN", "hf_do_not_read_me")
+    scheduler_cls = fake_vllm().import_scheduler()
+    recorder = RecordingEnviron(os.environ)
+    monkeypatch.setattr(os, "environ", recorder)
+
+    register()
+    register()
+    scheduler = scheduler_cls(BLOCK)
+    # Corrections: a collapse (first one loads the scope hooks), a text request in scope 'all'.
+    assert scheduler._mamba_block_aligned_split(FakeRequest(), 100) == 100
+    assert scheduler._mamba_block_aligned_split(FakeRequest(has_encoder_inputs=False), 50) == 50
+    assert scheduler._mamba_block_aligned_split(Exception(), 100) == 0  # failure path
+    unregister()
+
+    monkeypatch.undo()  # restore os.environ before asserting
+    assert set(recorder.read) <= OWN_VARIABLES, recorder.read
+    assert set(recorder.read) == OWN_VARIABLES  # the recorder sees the plugin's reads
+    assert "active" in " ".join(logs.visible)
+
+
+def test_only_config_touches_the_environment() -> None:
+    """No other module reaches ``os.environ``/``getenv``/``putenv``, even in dead code."""
+    package = Path(vllm_mamba_fix.__file__).parent
+    names = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+    offenders = []
+    for source in sorted(package.glob("*.py")):
+        tree = ast.parse(source.read_text(), str(source))
+        for node in ast.walk(tree):
+            hit = (isinstance(node, ast.Attribute) and node.attr in names) or (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "os"
+                and any(alias.name in names for alias in node.names)
+            )
+            if hit and source.name not in ENV_MODULES:
+                offenders.append(f"{source.name}:{node.lineno}")
+    assert offenders == []
+
+
+SENTINEL_TEXT = "SENTINEL-prompt-7f3a"
+SENTINEL_TOKEN = 48151623
+
+
+class PromptRequest(FakeRequest):
+    """A request that carries prompt content the way vLLM's does."""
+
+    def __init__(self, request_id: str, **kwargs: object) -> None:
+        super().__init__(request_id=request_id, **kwargs)  # type: ignore[arg-type]
+        self.prompt = f"describe {SENTINEL_TEXT} please"
+        self.prompt_token_ids = [SENTINEL_TOKEN] * self.num_prompt_tokens
+        self.all_token_ids = self.prompt_token_ids
+        self.cache_salt = f"salt-{SENTINEL_TEXT}"
+
+    def __repr__(self) -> str:
+        return f"PromptRequest(prompt={self.prompt!r}, ids={self.prompt_token_ids[:4]})"
+
+    def __str__(self) -> str:
+        return self.__repr__()
+
+
+def test_logs_carry_no_prompt_content(
+    monkeypatch: pytest.MonkeyPatch, logs: LogCapture, fake_vllm: FakeFactory
+) -> None:
+    scheduler_cls = fake_vllm().import_scheduler()
+    register()
+    scheduler = scheduler_cls(BLOCK)
+    corrected = 0
+    for step, request_id in enumerate(["req-a", "req-a", "req-b"]):
+        request = PromptRequest(request_id, num_computed_tokens=step * 40)
+        corrected += scheduler._mamba_block_aligned_split(request, 100) > 0
+    broken = PromptRequest("req-broken")
+    del broken.num_prompt_tokens
+    scheduler._mamba_block_aligned_split(broken, 100, 40)  # failure path
+    from vllm_mamba_fix import counters
+
+    counters.log_summary()
+    unregister()
+
+    assert corrected == 3
+    text = logs.text
+    assert "req-a" in text and "req-b" in text  # ids and counts are logged ...
+    assert "correction failed" in text  # ... the failure too ...
+    assert SENTINEL_TEXT not in text  # ... but never the prompt
+    assert str(SENTINEL_TOKEN) not in text
+    for record in logs.records:
+        for arg in record.args if isinstance(record.args, tuple) else ():
+            # Numbers, ids and our own words; an exception only by its message.
+            assert isinstance(arg, (int, str, BaseException)), (record.msg, type(arg))

@@ -1,0 +1,174 @@
+"""The wrapped method under faults: vLLM's errors pass through untouched, ours never escape."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.faults.conftest import BLOCK, FakeRequest, FakeVllm, LogCapture, scheduler_method
+from vllm_mamba_fix import patch, register
+from vllm_mamba_fix.hookspecs import hookimpl
+
+FakeFactory = Callable[..., FakeVllm]
+
+
+class VllmOwnError(ValueError):
+    pass
+
+
+RAISING_SCHEDULER = """
+from types import SimpleNamespace
+
+
+class Scheduler:
+    def __init__(self, block_size=128):
+        self.cache_config = SimpleNamespace(block_size=block_size)
+        self.to_raise = None
+
+    def _mamba_block_aligned_split(
+        self, request, num_new_tokens, num_new_local_computed_tokens=0,
+        num_external_computed_tokens=0,
+    ):
+        if self.to_raise is not None:
+            raise self.to_raise
+        block_size = self.cache_config.block_size
+        return num_new_tokens // block_size * block_size
+"""
+
+
+@pytest.fixture
+def patched(fake_vllm: FakeFactory, logs: LogCapture) -> Iterator[type]:
+    """The fake 0.27 scheduler, patched through register(); logs cleared after."""
+    scheduler = fake_vllm(scheduler=RAISING_SCHEDULER).import_scheduler()
+    register()
+    assert hasattr(scheduler_method(scheduler), patch.MARKER)
+    logs.clear()
+    yield scheduler
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "args", "kwargs"),
+    [
+        ({}, (), {}),  # in scope, would be corrected
+        ({"has_encoder_inputs": False}, (), {}),  # out of scope
+        ({"num_computed_tokens": 64}, (32, 0), {}),  # waiting-loop call with extra arguments
+        ({}, (), {"num_external_computed_tokens": 16}),
+        ({}, (0, 0, 7), {}),  # a fifth argument this release does not take: its TypeError
+    ],
+)
+def test_original_raising_propagates_unchanged(
+    patched: type,
+    logs: LogCapture,
+    request_kwargs: dict[str, Any],
+    args: tuple[int, ...],
+    kwargs: dict[str, int],
+) -> None:
+    scheduler = patched(BLOCK)
+    error: Exception = VllmOwnError("vLLM's own assertion")
+    scheduler.to_raise = error
+    if len(args) > 2:
+        scheduler.to_raise = None
+        with pytest.raises(TypeError, match="positional arguments") as type_error:
+            scheduler._mamba_block_aligned_split(FakeRequest(**request_kwargs), 100, *args)
+        error = type_error.value
+    with pytest.raises(type(error)) as excinfo:
+        scheduler._mamba_block_aligned_split(FakeRequest(**request_kwargs), 100, *args, **kwargs)
+    if len(args) <= 2:
+        assert excinfo.value is error
+    assert str(excinfo.value) == str(error)
+    assert excinfo.value.__cause__ is None and excinfo.value.__context__ is None
+    assert logs.records == []  # not logged, not counted: it is vLLM's error to report
+
+
+def test_original_raising_base_exceptions_propagate(patched: type, logs: LogCapture) -> None:
+    scheduler = patched(BLOCK)
+    for error in (KeyboardInterrupt(), SystemExit(3), AssertionError("num_external")):
+        scheduler.to_raise = error
+        with pytest.raises(type(error)) as excinfo:
+            scheduler._mamba_block_aligned_split(FakeRequest(), 100)
+        assert excinfo.value is error
+    assert logs.records == []
+
+
+class Bare:
+    """A request with only what vLLM's own method needs."""
+
+    def __init__(self, **attributes: Any) -> None:
+        self.__dict__.update(attributes)
+
+
+class Exploding:
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"cannot read {name}")
+
+
+def _full(**overrides: Any) -> dict[str, Any]:
+    attributes = vars(FakeRequest())
+    attributes.update(overrides)
+    return attributes
+
+
+BROKEN_REQUESTS: dict[str, Callable[[], Any]] = {
+    "no-num_computed_tokens": lambda: Bare(),
+    "num_computed_tokens-None": lambda: Bare(**_full(num_computed_tokens=None)),
+    "no-num_prompt_tokens": lambda: Bare(
+        **{k: v for k, v in _full().items() if k != "num_prompt_tokens"}
+    ),
+    "no-has_encoder_inputs": lambda: Bare(
+        **{k: v for k, v in _full().items() if k != "has_encoder_inputs"}
+    ),
+    "no-request_id": lambda: Bare(**{k: v for k, v in _full().items() if k != "request_id"}),
+    "mm_features-not-a-list": lambda: Bare(**_full(mm_features=3)),
+    "every-attribute-raises": Exploding,
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_REQUESTS))
+def test_correction_failure_returns_vllms_result(
+    case: str, patched: type, logs: LogCapture
+) -> None:
+    scheduler = patched(BLOCK)
+    request = BROKEN_REQUESTS[case]()
+    stock = 0  # 100 // 128 * 128: the correction would have been needed
+    assert scheduler._mamba_block_aligned_split(request, 100) == stock
+    logs.assert_no_traceback()
+    assert len(logs.visible) == 1, logs.visible
+    (warning,) = logs.warnings
+    assert "correction failed" in warning and "using vLLM's result" in warning
+    # Later failures stay quiet (vLLM calls this every step) and still return stock.
+    for _ in range(3):
+        assert scheduler._mamba_block_aligned_split(BROKEN_REQUESTS[case](), 100) == stock
+    assert len(logs.visible) == 1, logs.visible
+    # Healthy requests are still corrected.
+    assert scheduler._mamba_block_aligned_split(FakeRequest(), 100) == 100
+
+
+def test_scheduler_without_cache_config(patched: type, logs: LogCapture) -> None:
+    scheduler = patched(BLOCK)
+    scheduler.cache_config = None
+    with pytest.raises(AttributeError):  # vLLM's own method fails first, unchanged
+        scheduler._mamba_block_aligned_split(FakeRequest(), 100)
+    assert logs.records == []
+
+
+class _RaisingScope:
+    @hookimpl
+    def mamba_fix_in_scope(self, request: Any, scope: str) -> bool | None:
+        raise RuntimeError("third-party scope hook bug")
+
+
+def test_raising_scope_hook_falls_back_to_builtin(patched: type, logs: LogCapture) -> None:
+    options = getattr(scheduler_method(patched), patch.MARKER)
+    options.policy._plugin_manager().register(_RaisingScope(), name="raising")
+    scheduler = patched(BLOCK)
+    assert scheduler._mamba_block_aligned_split(FakeRequest(), 100) == 100
+    text = FakeRequest(has_encoder_inputs=False, request_id="text")
+    assert scheduler._mamba_block_aligned_split(text, 100) == 0
+    logs.assert_no_traceback()
+    hook_warnings = [w for w in logs.warnings if "scope hook raised" in w]
+    assert len(hook_warnings) == 1 and "RuntimeError" in hook_warnings[0]
+    assert len(logs.warnings) == 1, logs.warnings
+    assert not [r for r in logs.records if r.levelno >= logging.ERROR]
