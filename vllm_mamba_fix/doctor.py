@@ -41,7 +41,7 @@ from vllm_mamba_fix.config import (
     load_settings,
     vllm_plugins_allows,
 )
-from vllm_mamba_fix.versions import Family, Verdict, family_for
+from vllm_mamba_fix.versions import Family, Verdict, family_for, release_of
 
 EXIT_OK = 0
 EXIT_NOT_PROTECTED = 1
@@ -265,7 +265,7 @@ def _import_vllm(report: Report) -> str | None:
     info["distribution"] = dist
     where = f" ({dist['name']} {dist['version']})" if dist else ""
     report.add("info", "vLLM", f"{version}{where} at {info['path']}")
-    if dist and dist["version"] != version:
+    if dist and release_of(dist["version"]) != release_of(version):
         report.warnings.append(
             f"vllm.__version__ is {version} but the installed {dist['name']} is "
             f"{dist['version']}; vllm is imported from {info['path']}"
@@ -284,8 +284,9 @@ def _vllm_distribution(version: str) -> dict[str, str] | None:
         except PackageNotFoundError:
             continue
         found.append({"name": dist.metadata["Name"] or name, "version": dist.version})
-    matching = [d for d in found if d["version"] == version]
-    return (matching or found or [None])[0]
+    exact = [d for d in found if d["version"] == version]
+    same = [d for d in found if release_of(d["version"]) == release_of(version)]
+    return (exact or same or found or [None])[0]
 
 
 def _resolve_class(qualname: str) -> type:
@@ -344,8 +345,7 @@ def _dry_run(
         if should_patch:
             plugin.register()  # the entry point itself, reading the real environment
         else:
-            with plugin._lock:
-                plugin._register(dataclasses.replace(settings, mode=Mode.FORCE, problems=()))
+            plugin.register(dataclasses.replace(settings, mode=Mode.FORCE, problems=()))
         # Import the classes after register(), as vLLM does: exercises the import hook.
         for target in targets:
             entry: dict[str, Any] = {"class": target.qualname, "role": target.role}
@@ -365,7 +365,9 @@ def _dry_run(
         wrapper = base.__dict__.get(patch.METHOD_NAME) if base is not None else None
         overriders = [_name(c) for c in patch.overriding_subclasses(base)] if base else []
         restored = True
-        if patched and not already:
+        if already:
+            pass  # active before the doctor ran (not by us): leave it
+        elif patched:
             original = getattr(wrapper, "__wrapped__", None)
             plugin.unregister()
             restored = base.__dict__.get(patch.METHOD_NAME) is original  # type: ignore[union-attr]
@@ -395,26 +397,28 @@ def _base_or_none() -> type | None:
     return base if isinstance(base, type) else None
 
 
-def _report_schedulers(report: Report, results: list[dict[str, Any]], patched: bool) -> None:
+def _report_schedulers(
+    report: Report, results: list[dict[str, Any]], patched: bool, needed: bool
+) -> None:
+    label, bad = "scheduler", "fail" if needed else "warn"
     for entry in results:
         name, role = entry["class"], entry["role"]
-        label = "scheduler"
         if not entry["loaded"]:
             report.add("fail", label, f"{name} ({role}): {entry['error']}")
         elif not entry["derives_from_scheduler"]:
             entry["problem"] = (
                 f"{name} does not derive from {BASE_SCHEDULER}; the fix cannot reach it"
             )
-            report.add("fail", label, entry["problem"])
+            report.add(bad, label, entry["problem"])
         elif entry["overridden_by"]:
             entry["problem"] = (
                 f"{name} ({role}) overrides {patch.METHOD_NAME} in {entry['overridden_by']}; "
                 "a base-class patch does not reach it"
             )
-            report.add("fail", label, entry["problem"])
+            report.add(bad, label, entry["problem"])
         elif patched and not entry["reached"]:
             entry["problem"] = f"{name} ({role}) does not see the patched method"
-            report.add("fail", label, entry["problem"])
+            report.add(bad, label, entry["problem"])
         elif patched:
             report.add("ok", label, f"{name} ({role}) inherits the patched method")
         else:
@@ -447,12 +451,17 @@ def run(scheduler_cls: Sequence[str] = ()) -> Report:
         or (family.verdict is Verdict.UNKNOWN and settings.mode is Mode.FORCE)
     )
     report.data["family"] = _family_json(family)
-    report.data["policy"] = {"needed": needed, "should_patch": should_patch, "reason": reason}
+    verdict = _verdict(family, needed, should_patch)
+    report.data["policy"] = {
+        "verdict": verdict,
+        "needed": needed,
+        "should_patch": should_patch,
+        "reason": reason,
+    }
     if family is not None:
-        verdict = "needed, will patch" if needed and should_patch else _verdict_text(family)
-        if needed and not should_patch:
-            verdict = "needed, but will NOT patch"
-        report.add("ok" if should_patch or not needed else "fail", "policy", f"{verdict}: {reason}")
+        mark = "fail" if verdict in ("needed-will-not-patch", "unsupported") else "ok"
+        label = _VERDICT_TEXT[verdict or ""]
+        report.add(mark, "policy", reason if reason.startswith(label) else f"{label}: {reason}")
         if settings.mode is Mode.OFF and needed:
             report.problems.append(f"disabled by {ENV_MODE}={os.environ.get(ENV_MODE)!r}")
         elif family.verdict is Verdict.UNKNOWN and not needed:
@@ -482,7 +491,7 @@ def run(scheduler_cls: Sequence[str] = ()) -> Report:
         timings["dry_run"] = round(time.perf_counter() - started, 3)
         report.data["schedulers"] = results
         _report_dry_run(report, patched, should_patch, needed)
-        _report_schedulers(report, results, patched)
+        _report_schedulers(report, results, patched, needed)
         for entry, target in zip(results, targets, strict=True):
             if not entry["loaded"] and target.custom:
                 bad_input.append(f"--scheduler-cls {target.qualname}: {entry['error']}")
@@ -535,13 +544,23 @@ def _family_json(family: Family | None) -> dict[str, Any] | None:
     return {"name": family.name, "verdict": family.verdict.value, "summary": family.summary}
 
 
-def _verdict_text(family: Family) -> str:
-    return {
-        Verdict.PATCH: "needed",
-        Verdict.NOT_NEEDED: "not needed on this release",
-        Verdict.ABSENT: "not needed (method absent)",
-        Verdict.UNKNOWN: "unsupported",
-    }[family.verdict]
+_VERDICT_TEXT = {
+    "needed-will-patch": "needed, will patch",
+    "needed-will-not-patch": "needed, but will NOT patch",
+    "not-needed": "not needed",
+    "unsupported": "unsupported",
+    "": "",
+}
+
+
+def _verdict(family: Family | None, needed: bool, should_patch: bool) -> str | None:
+    if family is None:
+        return None
+    if needed:
+        return "needed-will-patch" if should_patch else "needed-will-not-patch"
+    if family.verdict is Verdict.UNKNOWN:
+        return "unsupported"
+    return "not-needed"
 
 
 def _report_dry_run(report: Report, patched: bool, should_patch: bool, needed: bool) -> None:
@@ -618,7 +637,7 @@ def build_parser(prog: str = "vllm-mamba-fix") -> argparse.ArgumentParser:
     doctor = sub.add_parser(
         "doctor",
         help="check that the fix will be active (the default command)",
-        description=__doc__.split("\n\n", 1)[1],
+        description=__doc__.split("\n\n", 1)[1].replace("``", "`"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     doctor.add_argument("--json", action="store_true", help="print one JSON object")

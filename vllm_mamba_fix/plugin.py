@@ -60,11 +60,14 @@ def _vllm_version() -> str | None:
     return version if isinstance(version, str) else repr(version)
 
 
-def register() -> None:
-    """Entry point for ``vllm.general_plugins``. Idempotent; never raises."""
+def register(settings: Settings | None = None) -> None:
+    """Entry point for ``vllm.general_plugins``. Idempotent; never raises.
+
+    ``settings`` defaults to the environment; doctor passes its own for dry runs.
+    """
     try:
         with _lock:
-            _register(load_settings())
+            _register(load_settings() if settings is None else settings)
     except Exception as exc:
         _say_once(
             logging.WARNING,
