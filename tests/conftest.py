@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+
+from vllm_mamba_fix.hookspecs import ENTRY_POINT_GROUP
 
 PLUGIN_LOGGER = "vllm.mamba_fix"
 
@@ -29,3 +34,22 @@ def plugin_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFi
         logger.removeHandler(caplog.handler)
         logger.setLevel(previous_level)
         logger.propagate = previous_propagate
+
+
+InstallScopeRule = Callable[[str, str], None]
+
+
+@pytest.fixture
+def install_scope_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> InstallScopeRule:
+    """Install a third-party scope rule as a real distribution with an entry point."""
+
+    def install(name: str, body: str) -> None:
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+        dist_info = tmp_path / f"{name}-1.0.dist-info"
+        dist_info.mkdir()
+        (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (dist_info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{name} = {name}\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+    return install

@@ -107,7 +107,9 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                 _say_once(logging.WARNING, f"not patching: {problem}")
                 return
             assert family.prefill_gate is not None  # policy() never patches ABSENT
-            options = patch.WrapOptions(family.prefill_gate, ScopePolicy(settings.scope))
+            policy = ScopePolicy(settings.scope)
+            policy.load()  # here, not in the first scheduling step that needs it
+            options = patch.WrapOptions(family.prefill_gate, policy)
             patch.wrap(scheduler_cls, options)
             _patched.append(scheduler_cls)
             counters.register_shutdown_summary()

@@ -1,53 +1,29 @@
 """Which requests the wrapper may correct, asked through the pluggy hook.
 
-pluggy and third-party entry points are loaded on the first correction, not at
-start-up, and any failure there falls back to the built-in rule.
+Third-party rules are loaded once, when the scheduler is patched, so no
+scheduling step pays for scanning entry points. With none installed the
+built-in rule answers directly; any failure falls back to it.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.config import Scope
 
-if TYPE_CHECKING:
-    import pluggy
+ScopeHook = Callable[..., "bool | None"]
 
 
 def builtin_in_scope(request: Any, scope: Scope) -> bool:
     return scope is Scope.ALL or bool(request.has_encoder_inputs)
 
 
-class ScopePolicy:
-    def __init__(self, scope: Scope) -> None:
-        self.scope = scope
-        self._manager: pluggy.PluginManager | None = None
-        self._lock = threading.Lock()
-        self._hook_failed = False
-
-    def in_scope(self, request: Any) -> bool:
-        try:
-            answer = self._plugin_manager().hook.mamba_fix_in_scope(
-                request=request, scope=self.scope.value
-            )
-        except Exception as exc:
-            # Built-in rule first: if it fails too, the request itself is unusable and
-            # the caller reports that once, instead of blaming a scope hook as well.
-            fallback = builtin_in_scope(request, self.scope)
-            self._report_hook_failure(exc)
-            return fallback
-        return builtin_in_scope(request, self.scope) if answer is None else bool(answer)
-
-    def _plugin_manager(self) -> pluggy.PluginManager:
-        with self._lock:
-            if self._manager is None:
-                self._manager = self._build_manager()
-            return self._manager
-
-    @staticmethod
-    def _build_manager() -> pluggy.PluginManager:
+def load_third_party_hook() -> ScopeHook | None:
+    """The pluggy hook when third-party rules are installed, else None."""
+    try:
         import pluggy
 
         from vllm_mamba_fix import hookspecs
@@ -56,17 +32,47 @@ class ScopePolicy:
         manager.add_hookspecs(hookspecs.ScopeSpec)
         manager.register(hookspecs.MultimodalScope(), name="builtin-multimodal")
         manager.register(hookspecs.AllScope(), name="builtin-all")
+        loaded = manager.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
+    except Exception as exc:
+        logger.warning(
+            "vllm-mamba-fix: could not load scope rules from entry points 'vllm_mamba_fix.scope' "
+            "(%s: %s); using the built-in scope only",
+            type(exc).__name__,
+            exc,
+        )
+        return None
+    return manager.hook.mamba_fix_in_scope if loaded else None
+
+
+class ScopePolicy:
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+        self._hook: ScopeHook | None = None
+        self._loaded = False
+        self._lock = threading.Lock()
+        self._hook_failed = False
+
+    def load(self) -> None:
+        """Load third-party rules now rather than on the first correction."""
+        with self._lock:
+            if not self._loaded:
+                self._hook = load_third_party_hook()
+                self._loaded = True
+
+    def in_scope(self, request: Any) -> bool:
+        if not self._loaded:
+            self.load()
+        if self._hook is None:
+            return builtin_in_scope(request, self.scope)
         try:
-            manager.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
+            answer = self._hook(request=request, scope=self.scope.value)
         except Exception as exc:
-            logger.warning(
-                "vllm-mamba-fix: could not load scope hooks from entry points %r (%s: %s); "
-                "using the built-in scope only",
-                hookspecs.ENTRY_POINT_GROUP,
-                type(exc).__name__,
-                exc,
-            )
-        return manager
+            # Built-in rule first: if it fails too, the request itself is unusable and
+            # the caller reports that once, instead of blaming a scope hook as well.
+            fallback = builtin_in_scope(request, self.scope)
+            self._report_hook_failure(exc)
+            return fallback
+        return builtin_in_scope(request, self.scope) if answer is None else bool(answer)
 
     def _report_hook_failure(self, exc: Exception) -> None:
         log = logger.debug if self._hook_failed else logger.warning

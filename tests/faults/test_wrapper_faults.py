@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import InstallScopeRule
 from tests.faults.conftest import BLOCK, FakeRequest, FakeVllm, LogCapture, scheduler_method
-from vllm_mamba_fix import patch, register
-from vllm_mamba_fix.hookspecs import hookimpl
+from vllm_mamba_fix import patch, register, unregister
 
 FakeFactory = Callable[..., FakeVllm]
 
@@ -154,15 +154,22 @@ def test_scheduler_without_cache_config(patched: type, logs: LogCapture) -> None
     assert logs.records == []
 
 
-class _RaisingScope:
-    @hookimpl
-    def mamba_fix_in_scope(self, request: Any, scope: str) -> bool | None:
-        raise RuntimeError("third-party scope hook bug")
+def test_raising_scope_hook_falls_back_to_builtin(
+    patched: type, logs: LogCapture, install_scope_rule: InstallScopeRule
+) -> None:
+    install_scope_rule(
+        "raising_scope",
+        """
+        from vllm_mamba_fix.hookspecs import hookimpl
 
-
-def test_raising_scope_hook_falls_back_to_builtin(patched: type, logs: LogCapture) -> None:
-    options = getattr(scheduler_method(patched), patch.MARKER)
-    options.policy._plugin_manager().register(_RaisingScope(), name="raising")
+        @hookimpl
+        def mamba_fix_in_scope(request, scope):
+            raise RuntimeError("third-party scope hook bug")
+        """,
+    )
+    unregister()  # rules load when the scheduler is patched: patch again
+    register()
+    logs.clear()
     scheduler = patched(BLOCK)
     assert scheduler._mamba_block_aligned_split(FakeRequest(), 100) == 100
     text = FakeRequest(has_encoder_inputs=False, request_id="text")

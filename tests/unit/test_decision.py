@@ -99,9 +99,7 @@ def test_tokens_to_next_boundary() -> None:
     assert tokens_to_next_boundary(16, 16) == 16
 
 
-def _check(
-    stock: int, n: int, start: int, block: int, in_prefill: bool, uncut: int | None
-) -> None:
+def _check(stock: int, n: int, start: int, block: int, in_prefill: bool, uncut: int | None) -> None:
     """Invariants computed independently of the implementation."""
     tokens, action = decide(stock, n, start, block, in_prefill, uncut)
     room = block - start % block

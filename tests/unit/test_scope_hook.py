@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import logging
-import sys
-import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from tests.conftest import InstallScopeRule
 from vllm_mamba_fix.config import Scope
 from vllm_mamba_fix.hookspecs import ENTRY_POINT_GROUP
 from vllm_mamba_fix.scope import ScopePolicy
@@ -19,17 +17,6 @@ IMAGE = SimpleNamespace(request_id="image", has_encoder_inputs=True, priority=0)
 VIP_TEXT = SimpleNamespace(request_id="vip", has_encoder_inputs=False, priority=-1)
 
 
-def install_distribution(root: Path, name: str, body: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Put a minimal installed distribution with one scope entry point on sys.path."""
-    (root / f"{name}.py").write_text(textwrap.dedent(body))
-    dist_info = root / f"{name}-1.0.dist-info"
-    dist_info.mkdir()
-    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-    (dist_info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{name} = {name}\n")
-    monkeypatch.syspath_prepend(str(root))
-    monkeypatch.delitem(sys.modules, name, raising=False)
-
-
 def test_builtin_scopes() -> None:
     multimodal = ScopePolicy(Scope.MULTIMODAL)
     assert multimodal.in_scope(IMAGE) and not multimodal.in_scope(TEXT)
@@ -37,9 +24,8 @@ def test_builtin_scopes() -> None:
     assert everything.in_scope(IMAGE) and everything.in_scope(TEXT)
 
 
-def test_third_party_rule_is_honoured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    install_distribution(
-        tmp_path,
+def test_third_party_rule_is_honoured(install_scope_rule: InstallScopeRule) -> None:
+    install_scope_rule(
         "vip_scope",
         """
         from vllm_mamba_fix.hookspecs import hookimpl
@@ -52,7 +38,6 @@ def test_third_party_rule_is_honoured(tmp_path: Path, monkeypatch: pytest.Monkey
                 return False
             return None
         """,
-        monkeypatch,
     )
     policy = ScopePolicy(Scope.MULTIMODAL)
     assert policy.in_scope(VIP_TEXT)  # the rule widens the scope
@@ -61,10 +46,9 @@ def test_third_party_rule_is_honoured(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_failing_rule_falls_back_with_one_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plugin_log: pytest.LogCaptureFixture
+    install_scope_rule: InstallScopeRule, plugin_log: pytest.LogCaptureFixture
 ) -> None:
-    install_distribution(
-        tmp_path,
+    install_scope_rule(
         "broken_scope",
         """
         from vllm_mamba_fix.hookspecs import hookimpl
@@ -73,7 +57,6 @@ def test_failing_rule_falls_back_with_one_warning(
         def mamba_fix_in_scope(request, scope):
             raise RuntimeError("rule database unreachable")
         """,
-        monkeypatch,
     )
     policy = ScopePolicy(Scope.MULTIMODAL)
     with plugin_log.at_level(logging.DEBUG):
@@ -85,9 +68,9 @@ def test_failing_rule_falls_back_with_one_warning(
 
 
 def test_unimportable_rule_is_skipped_with_a_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plugin_log: pytest.LogCaptureFixture
+    install_scope_rule: InstallScopeRule, plugin_log: pytest.LogCaptureFixture
 ) -> None:
-    install_distribution(tmp_path, "missing_dep_scope", "import no_such_module_xyz\n", monkeypatch)
+    install_scope_rule("missing_dep_scope", "import no_such_module_xyz\n")
     policy = ScopePolicy(Scope.MULTIMODAL)
     with plugin_log.at_level(logging.DEBUG):
         assert policy.in_scope(IMAGE) and not policy.in_scope(TEXT)

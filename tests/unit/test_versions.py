@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -41,7 +42,7 @@ def test_release_ignores_dev_and_local_parts() -> None:
 
 
 def test_families_tile_the_version_line() -> None:
-    for earlier, later in zip(FAMILIES, FAMILIES[1:]):
+    for earlier, later in itertools.pairwise(FAMILIES):
         assert earlier.end == later.first
     assert FAMILIES[-1].end is None
 
