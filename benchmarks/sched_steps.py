@@ -1,0 +1,235 @@
+"""Sections 2 and 3: scheduling steps of the two-image request, and prefix reuse.
+
+Arms (``benchmarks.worker`` runs them; the 0.27.1 ones share one process):
+
+- ``plugin``: vLLM 0.27.1 with the plugin loaded the engine's way;
+- ``upstream``: stock vLLM 0.28.0 (upstream's own fix) through the release overlay;
+- ``nocache``: vLLM 0.27.1 with prefix caching off (the common workaround);
+- ``stock``: vLLM 0.27.1 as shipped (context: where it stalls).
+
+Every arm runs the real ``Scheduler`` through ``tools.sched_harness``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+ARMS: dict[str, dict[str, str]] = {
+    # arm -> release it runs on, and what it is
+    "plugin": {"release": "0.27.1", "what": "plugin on 0.27.1"},
+    "upstream": {"release": "0.28.0", "what": "stock 0.28.0 (upstream fix)"},
+    "nocache": {"release": "0.27.1", "what": "0.27.1, prefix caching off"},
+    "stock": {"release": "0.27.1", "what": "stock 0.27.1"},
+}
+ISSUE_IMAGE_TOKENS = 11_844
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A prompt: text ``before``, image, text ``between``, image, text ``after``."""
+
+    before: int
+    between: int
+    after: int
+    image_tokens: int = ISSUE_IMAGE_TOKENS
+    name: str = ""
+    # A text request of this many tokens queued ahead of the image request (shares the budget).
+    text_ahead: int = 0
+
+    @property
+    def label(self) -> str:
+        shape = f"{self.before}/{self.image_tokens}/{self.between}/{self.image_tokens}/{self.after}"
+        if self.text_ahead:
+            shape += f" behind {self.text_ahead}-token text"
+        return f"{self.name} ({shape})" if self.name else shape
+
+
+# vLLM issue #40707: block 1056, two 11,844-token images, budget 8192, encoder cache 16,384
+# (tools/scenarios.py TWO_IMAGES).
+ISSUE_LAYOUT = Layout(100, 50, 200, name="issue-40707")
+
+
+def sweep(profile: str) -> list[Layout]:
+    if profile == "smoke":
+        return [ISSUE_LAYOUT, Layout(16, 1056, 1), Layout(5000, 8, 3000, 8_500),
+                Layout(100, 50, 200, text_ahead=3_000)]  # fmt: skip
+    layouts = [ISSUE_LAYOUT]
+    # 8,500 to 16,000-token images: only one fits the 16,384-token encoder cache at a time
+    # (the deadlock's precondition); 3,000: both fit (control).
+    for image in (3_000, 8_500, ISSUE_IMAGE_TOKENS, 16_000):
+        for before in (16, 1_000, 5_000):
+            for between in (8, 1_056, 4_000):
+                for after in (1, 200, 3_000):
+                    layouts.append(Layout(before, between, after, image))
+    # Behind a text request that takes part of each step's budget.
+    for ahead in (3_000, 30_000):
+        for before, between, after, image in (
+            (100, 50, 200, ISSUE_IMAGE_TOKENS),
+            (16, 1_056, 1, 8_500),
+            (1_000, 4_000, 200, 3_000),
+        ):
+            layouts.append(Layout(before, between, after, image, text_ahead=ahead))
+    return layouts
+
+
+def prefix_layouts(profile: str) -> list[Layout]:
+    if profile == "smoke":
+        return [ISSUE_LAYOUT]
+    return [ISSUE_LAYOUT, Layout(16, 1056, 1), Layout(1000, 4000, 200, 8_500),
+            Layout(5000, 8, 3000, 16_000)]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+@contextlib.contextmanager
+def _prefix_caching_off() -> Iterator[None]:
+    """Adapter: build the harness scheduler with prefix caching off (mamba_cache_mode none).
+
+    ``tools.sched_harness.build_scheduler`` insists on align mode; the engine config is
+    switched to the workaround's settings just before the KV cache specs and the
+    ``Scheduler`` are built from it. (Owner request: a ``HarnessConfig`` field for this.)
+    """
+    from tools import sched_harness
+
+    original = sched_harness._kv_cache_specs
+
+    def specs(vllm_config: Any, model_cls: type) -> dict[str, Any]:
+        cache_config = vllm_config.cache_config
+        cache_config.enable_prefix_caching = False
+        cache_config.mamba_cache_mode = "none"
+        cache_config.mamba_block_size = vllm_config.model_config.max_model_len
+        return original(vllm_config, model_cls)
+
+    sched_harness._kv_cache_specs = specs
+    try:
+        yield
+    finally:
+        sched_harness._kv_cache_specs = original
+
+
+@contextlib.contextmanager
+def _content_keyed_images(key: str) -> Iterator[None]:
+    """Adapter: image hashes from ``key`` instead of the request id, so two requests with the
+    same seed are the same content (the harness derives hashes from the request id)."""
+    from tools import sched_harness
+
+    original = sched_harness._mm_features
+
+    def features(spec: Any) -> Any:
+        return original(dataclasses.replace(spec, request_id=key))
+
+    sched_harness._mm_features = features
+    try:
+        yield
+    finally:
+        sched_harness._mm_features = original
+
+
+def _spec(layout: Layout, request_id: str, seed: int) -> Any:
+    from tools.scenarios import image_request
+
+    spec = image_request(
+        request_id, (layout.before, layout.between, layout.after), layout.image_tokens
+    )
+    return dataclasses.replace(spec, seed=seed)
+
+
+def _harness(arm: str) -> Any:
+    from tools.scenarios import ISSUE_CONFIG
+    from tools.sched_harness import Harness
+
+    if arm == "nocache":
+        with _prefix_caching_off():
+            return Harness(ISSUE_CONFIG)
+    return Harness(ISSUE_CONFIG)
+
+
+def _prefill_steps(result: Any, request_id: str, first_step: int) -> int | None:
+    """Steps from ``first_step`` until the request's last prefill chunk, or None (stalled)."""
+    prompt = result.prompt_len[request_id]
+    for step, _start, end in result.chunks.get(request_id, []):
+        if end >= prompt:
+            return step - first_step + 1
+    return None
+
+
+def _spans(result: Any, request_id: str) -> list[list[int]]:
+    prompt = result.prompt_len[request_id]
+    return [[s, min(e, prompt)] for _, s, e in result.chunks.get(request_id, []) if s < prompt]
+
+
+def measure_steps(arm: str, layout: Layout) -> dict[str, Any]:
+    from tools.scenarios import text_request
+
+    harness = _harness(arm)
+    if layout.text_ahead:
+        harness.add(dataclasses.replace(text_request("ahead", layout.text_ahead), seed=99))
+    harness.add(_spec(layout, "img", seed=1))
+    result = harness.run(max_steps=200, stall_steps=25)
+    return {
+        "layout": layout.label,
+        "steps": _prefill_steps(result, "img", 0),
+        "chunks": _spans(result, "img"),
+        "violations": len(result.violations()),
+        "completed": result.completed,
+        "block_size": result.block_size,
+    }
+
+
+def measure_prefix(arm: str, layout: Layout) -> dict[str, Any]:
+    """The same two-image request twice, one after the other; cached tokens of the second."""
+    harness = _harness(arm)
+    with _content_keyed_images("same-content"):
+        harness.add(_spec(layout, "first", seed=7))
+        first = harness.run(max_steps=200, stall_steps=25)
+        out: dict[str, Any] = {"layout": layout.label, "prompt_tokens": first.prompt_len["first"]}
+        if not first.completed:
+            out.update(first_completed=False, cached=None, second_steps=None)
+            return out
+        begin = harness.step_index
+        harness.add(_spec(layout, "second", seed=7))
+        second = harness.run(max_steps=400, stall_steps=25)
+    request = harness.requests["second"]
+    chunks = _spans(second, "second")
+    out.update(
+        first_completed=True,
+        # Prefix-cache hit: where the second request's first chunk starts.
+        cached=chunks[0][0] if chunks else None,
+        num_cached_tokens=int(getattr(request, "num_cached_tokens", -1)),
+        second_steps=_prefill_steps(second, "second", begin),
+        second_chunks=chunks,
+    )
+    return out
+
+
+def run_arm_here(arm: str, profile: str) -> dict[str, Any]:
+    """Run one arm in this process (its release must be the imported vLLM)."""
+    from tools import sched_harness
+
+    expected = ARMS[arm]["release"]
+    version = sched_harness.vllm_version()
+    if version != expected:
+        raise SystemExit(f"arm {arm} expected vLLM {expected}, imported {version}")
+    sched_harness.unload_plugin()
+    if arm == "plugin":
+        os.environ.pop("VLLM_MAMBA_FIX", None)
+        sched_harness.load_plugins()
+        if not sched_harness.split_is_wrapped():
+            raise SystemExit("the plugin did not patch the scheduler")
+    elif sched_harness.split_is_wrapped():
+        raise SystemExit(f"arm {arm} must run stock vLLM, but the split is wrapped")
+    return {
+        "arm": arm,
+        "vllm": version,
+        "steps": [measure_steps(arm, layout) for layout in sweep(profile)],
+        "prefix": [measure_prefix(arm, layout) for layout in prefix_layouts(profile)],
+    }
+
+
+__all__ = ["ARMS", "ISSUE_LAYOUT", "Layout", "prefix_layouts", "run_arm_here", "sweep"]

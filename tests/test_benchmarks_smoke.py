@@ -1,0 +1,60 @@
+"""The benchmark command's smoke profile produces a well-formed table (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SECTIONS = ("1 hot path", "2 steps", "3 prefix reuse", "4 start-up", "5 end to end")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, str]:
+    out = tmp_path_factory.mktemp("bench") / "smoke"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--profile", "smoke", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    return proc.stdout, data, out.with_suffix(".md").read_text()
+
+
+def test_json_has_every_section(smoke: tuple[str, dict, str]) -> None:
+    _, data, _ = smoke
+    rows = data["analysis"]["rows"]
+    assert {r["section"] for r in rows} == set(SECTIONS)
+    for r in rows:
+        assert set(r) == {"section", "measure", "result", "target", "met"}
+        assert r["met"] in ("", "yes", "NO")
+        assert r["result"]
+    assert data["results"]["meta"]["profile"] == "smoke"
+
+
+def test_sections_ran_without_errors(smoke: tuple[str, dict, str]) -> None:
+    _, data, _ = smoke
+    errors = [r for r in data["analysis"]["rows"] if r["result"].startswith("error")]
+    assert not errors, errors
+    # The step comparison covered every smoke layout in all four arms.
+    layouts = data["analysis"]["layouts"]
+    assert layouts and all(set(x) >= {"plugin", "upstream", "nocache", "stock"} for x in layouts)
+
+
+def test_markdown_table_is_well_formed(smoke: tuple[str, dict, str]) -> None:
+    stdout, data, md = smoke
+    table = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    header = table[0]
+    assert header == "| section | measure | result | target | met |"
+    summary = [ln for ln in table if ln.split(" | ")[0].lstrip("| ") in SECTIONS]
+    assert len(summary) == len(data["analysis"]["rows"])
+    assert all(ln.count(" | ") == 4 and ln.endswith(" |") for ln in summary)
+    for section in SECTIONS:
+        assert section in stdout
