@@ -101,6 +101,8 @@ def _make_corrector(original: Callable[..., int], options: WrapOptions) -> Corre
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> int:
+        if options.policy.rules_out(request):
+            return stock
         in_prefill = (
             in_prefill_by_position(start, request.num_prompt_tokens, request.num_tokens)
             if by_position

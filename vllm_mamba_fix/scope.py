@@ -59,6 +59,12 @@ class ScopePolicy:
                 self._hook = load_third_party_hook()
                 self._loaded = True
 
+    def rules_out(self, request: Any) -> bool:
+        """Out of scope for certain, with no hook to ask: lets the wrapper skip the rules."""
+        if not self._loaded:
+            self.load()
+        return self._hook is None and not builtin_in_scope(request, self.scope)
+
     def in_scope(self, request: Any) -> bool:
         if not self._loaded:
             self.load()
