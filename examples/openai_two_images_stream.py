@@ -1,0 +1,104 @@
+"""Stream one /v1/chat/completions request carrying two images, with the ``openai`` client.
+
+    python examples/openai_two_images_stream.py --model tiny                 # CPU tiny model
+    python examples/openai_two_images_stream.py --model Qwen/Qwen3.5-35B-A3B \\
+        --image-size 1536 a.png b.png                                       # real model
+
+Without image paths, two different random-noise images of ``--image-size`` pixels are sent as
+PNG data URLs. Prints the streamed text, time to first token and total time. On stock vLLM
+0.15-0.27.1 the request may never produce a token while ``/health`` answers 200; the client
+then gives up after ``--timeout`` seconds and says so (the server-side proof is the e2e tests'
+progress probe; see tools/engine_demo.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def data_url(image) -> str:  # image: PIL.Image.Image
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def load_images(paths: list[str], size: int) -> list[str]:
+    import numpy as np
+    from PIL import Image
+
+    if paths:
+        return [data_url(Image.open(Path(p)).convert("RGB")) for p in paths]
+    rng = np.random.default_rng(0)
+    return [
+        data_url(Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)))
+        for _ in range(2)
+    ]
+
+
+def health(base_url: str) -> int:
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=5) as resp:
+            return resp.status
+    except Exception:
+        return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("images", nargs="*", help="two image files (default: random noise)")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--image-size", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args()
+
+    from openai import APITimeoutError, OpenAI
+
+    urls = load_images(args.images, args.image_size)
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    content.append({"type": "text", "text": "Describe both images."})
+    # No retries: a stalled request would otherwise be sent again and waited for again.
+    client = OpenAI(
+        base_url=args.base_url.rstrip("/") + "/v1",
+        api_key="EMPTY",
+        timeout=args.timeout,
+        max_retries=0,
+    )
+    start = time.monotonic()
+    first: float | None = None
+    try:
+        stream = client.chat.completions.create(
+            model=args.model,
+            messages=[{"role": "user", "content": content}],
+            stream=True,
+            max_tokens=args.max_tokens,
+            temperature=0.0,
+        )
+        for event in stream:
+            for choice in event.choices:
+                if choice.delta and choice.delta.content:
+                    first = first or time.monotonic()
+                    print(choice.delta.content, end="", flush=True)
+                if choice.finish_reason:
+                    print(f"\n[finish_reason={choice.finish_reason}]")
+    except APITimeoutError:
+        print(
+            f"\nNo completion after {args.timeout:.0f} s; /health = {health(args.base_url)}. "
+            "On vLLM 0.15-0.27.1 without vllm-mamba-fix this is the multimodal prefill deadlock."
+        )
+        return 1
+    total = time.monotonic() - start
+    ttft = f"{first - start:.2f} s" if first else "n/a"
+    print(f"time to first token {ttft}, total {total:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""End-to-end demo: one two-image request through ``vllm.LLM`` on the tiny Qwen3.5-style model.
+
+    python -m tools.engine_demo                      # plugin on (default): completes
+    VLLM_MAMBA_FIX=0 python -m tools.engine_demo     # stock vLLM: the hang, caught and named
+
+Layout: this process is a *supervisor* that never imports vLLM. It starts a *worker* process
+(``--worker``; in its own process group) that builds ``vllm.LLM`` with the engine core in its
+own process (vLLM's default) and sends the requests. The worker and the engine core inherit
+``PYTHONPATH=tools/test_site`` (torchvision shim, see ``tools/tiny_model.py``) and
+``VLLM_E2E_PROBE=<file>``, which makes a read-only probe in the engine core append the
+scheduler's per-request progress to that file (``tools/test_site/e2e_progress_probe.py``).
+
+The watchdog's verdict "hung" rests on that evidence: a request still in prefill whose
+``num_computed_tokens`` has not moved for ``stall_steps`` consecutive scheduler steps and
+``stall_seconds`` seconds. A timeout alone only yields "failed (timeout)", never "hung". On a
+verdict the whole process group (worker + engine core) is killed, so a hang costs seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tools.tiny_model import build, demo_images, shim_env, two_image_prompt
+
+REPO = Path(__file__).resolve().parent.parent
+RESULT_TAG = "DEMO-RESULT "
+DEFAULT_MODEL_DIR = os.environ.get(
+    "VLLM_MAMBA_FIX_TINY_DIR",
+    str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-mamba-fix/tiny"),
+)
+
+# The known-good failing configuration (../shared/notes/vllm-releases.md): block 128, budget 192,
+# encoder cache 256 tokens = one image, images at [1,257) and [259,515).
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "enable_prefix_caching": True,
+    "mamba_cache_mode": "align",
+    "mamba_ssm_cache_dtype": "float32",  # required on 0.27.1
+    "max_num_batched_tokens": 192,
+    "limit_mm_per_prompt": {"image": 2, "video": 0},
+    "max_model_len": 1024,
+    # vLLM 0.27.1's front-end processor cache tokenizes the prompt text without its images, which
+    # transformers >= 5.x rejects ("Found 1 <|image_pad|> tokens ... but no images"). With the
+    # cache off, text and images are processed together. Unrelated to the scheduler bug.
+    "mm_processor_cache_gb": 0,
+    "max_num_seqs": 4,
+    "seed": 0,
+    # bfloat16 (the CPU GDN kernel requires it). torch.compile on CPU costs minutes per cold
+    # start and is irrelevant to scheduling, so run eager.
+    "enforce_eager": True,
+    # 128 MiB of KV/Mamba cache is ample for 4 x 1024 tokens of a 1-attention-layer model; the
+    # CPU default (several GiB) would dominate the suite's RAM.
+    "kv_cache_memory_bytes": 128 * 2**20,
+}
+ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass
+class Phase:
+    """One engine (one ``LLM``) and the requests sent to it, in order."""
+
+    name: str
+    engine: dict[str, Any] = field(default_factory=dict)
+    # Each request is a list of image indices into ``demo_images(n=3)``.
+    requests: list[list[int]] = field(default_factory=lambda: [[0, 1]])
+    max_tokens: int = 16
+
+
+@dataclass
+class Outcome:
+    status: str  # "completed" | "hung" | "failed"
+    results: list[dict[str, Any]]
+    evidence: str | None
+    elapsed_s: float
+    log_text: str
+    engine_pids: list[int]
+    worker_pid: int
+    peak_rss_mib: float
+
+    def result(self, phase: str, index: int = 0) -> dict[str, Any]:
+        return [r for r in self.results if r["phase"] == phase][index]
+
+
+# --------------------------------------------------------------------------- supervisor
+
+
+@dataclass
+class Stall:
+    pid: int
+    req_id: str
+    computed: int
+    prompt: int
+    steps: int
+    since: float
+
+    def describe(self) -> str:
+        return (
+            f"request {self.req_id} stuck at computed position {self.computed} of {self.prompt} "
+            f"prompt tokens for {self.steps} consecutive scheduler steps over "
+            f"{time.time() - self.since:.1f} s (engine core pid {self.pid})"
+        )
+
+
+class ProbeWatcher:
+    """Tails the progress probe's JSON lines and reports a proven stall."""
+
+    def __init__(self, path: Path, stall_steps: int = 200, stall_seconds: float = 8.0) -> None:
+        self.path, self.stall_steps, self.stall_seconds = Path(path), stall_steps, stall_seconds
+        self._offset = 0
+        self._first_seen: dict[tuple, float] = {}
+        self.latest: Stall | None = None
+        self.pids: set[int] = set()
+
+    def poll(self) -> Stall | None:
+        """Read new lines; return the stall if it is proven (steps and seconds), else None."""
+        if not self.path.exists():
+            return None
+        with open(self.path, "rb") as fh:
+            fh.seek(self._offset)
+            chunk = fh.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # the engine may be mid-write
+        self._offset += len(complete)
+        for raw in complete.splitlines():
+            if raw.strip():
+                self._observe(json.loads(raw))
+        stall = self.latest
+        if (
+            stall is not None
+            and stall.steps >= self.stall_steps
+            and time.time() - stall.since >= self.stall_seconds
+        ):
+            return stall
+        return None
+
+    def _observe(self, rec: dict[str, Any]) -> None:
+        self.pids.add(rec["pid"])
+        self.latest = None
+        for req_id, (computed, prompt, _scheduled, still) in rec["reqs"].items():
+            key = (rec["pid"], req_id, computed)
+            if still == 0:
+                self._first_seen[key] = rec["t"]
+            since = self._first_seen.setdefault(key, rec["t"])
+            if computed < prompt:  # only a prefill can be "stuck"; decode always moves
+                self.latest = Stall(rec["pid"], req_id, computed, prompt, still, since)
+
+
+def _tree_rss_mib(pid: int) -> float:
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            total += proc.memory_info().rss
+    return total / 2**20
+
+
+def run(
+    model_dir: str | os.PathLike[str],
+    phases: list[Phase],
+    env: dict[str, str] | None = None,
+    stall_steps: int = 200,
+    stall_seconds: float = 8.0,
+    timeout_s: float = 600.0,
+    workdir: str | os.PathLike[str] | None = None,
+    echo: bool = False,
+) -> Outcome:
+    """Run ``phases`` in a worker process under the progress watchdog."""
+    work = Path(workdir or tempfile.mkdtemp(prefix="mamba-fix-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    probe, log, spec = work / "probe.jsonl", work / "worker.log", work / "spec.json"
+    for path in (probe, log):
+        path.unlink(missing_ok=True)
+    spec.write_text(
+        json.dumps({"model": str(model_dir), "phases": [p.__dict__ for p in phases]}, indent=1)
+    )
+    child_env = shim_env({**ENV_DEFAULTS, **os.environ, **(env or {})})
+    child_env["VLLM_E2E_PROBE"] = str(probe)
+    start = time.monotonic()
+    with open(log, "wb") as log_fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.engine_demo", "--worker", str(spec)],
+            cwd=REPO,
+            env=child_env,
+            stdout=log_fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # one process group: worker + engine core, killed together
+        )
+    status, evidence, peak = "failed", None, 0.0
+    watcher = ProbeWatcher(probe, stall_steps, stall_seconds)
+    echoed = 0
+    try:
+        while True:
+            finished = proc.poll() is not None
+            peak = max(peak, _tree_rss_mib(proc.pid))
+            stall = watcher.poll()
+            if stall is not None:
+                status, evidence = "hung", stall.describe()
+                break
+            if echo:
+                text = log.read_text(errors="replace")
+                sys.stderr.write(text[echoed:])
+                echoed = len(text)
+            if finished:
+                status = "completed" if proc.returncode == 0 else "failed"
+                if status == "failed":
+                    evidence = f"worker exited with code {proc.returncode}"
+                break
+            if time.monotonic() - start > timeout_s:
+                evidence = f"timeout after {timeout_s:.0f} s without a stall verdict"
+                break
+            time.sleep(0.5)
+    finally:
+        _kill_group(proc)
+    log_text = log.read_text(errors="replace")
+    results = [
+        json.loads(line[len(RESULT_TAG) :])
+        for line in log_text.splitlines()
+        if line.startswith(RESULT_TAG)
+    ]
+    watcher.poll()
+    return Outcome(
+        status,
+        results,
+        evidence,
+        time.monotonic() - start,
+        log_text,
+        sorted(watcher.pids),
+        proc.pid,
+        peak,
+    )
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the worker's process group (it includes vLLM's engine core)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+    # The engine core may outlive a worker that exited; the group id is the worker's pid.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def _worker(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    images = demo_images(n=3)
+    for phase in spec["phases"]:
+        engine = {**ENGINE_DEFAULTS, **phase["engine"]}
+        llm = LLM(model=spec["model"], **engine)
+        params = SamplingParams(temperature=0.0, max_tokens=phase["max_tokens"], ignore_eos=True)
+        for index, image_ids in enumerate(phase["requests"]):
+            prompt = {
+                "prompt": two_image_prompt(),
+                "multi_modal_data": {"image": [images[i] for i in image_ids]},
+            }
+            t0 = time.monotonic()
+            (out,) = llm.generate(prompt, params, use_tqdm=False)
+            result = {
+                "phase": phase["name"],
+                "index": index,
+                "images": image_ids,
+                "token_ids": list(out.outputs[0].token_ids),
+                "text": out.outputs[0].text,
+                "prompt_tokens": len(out.prompt_token_ids or []),
+                "num_cached_tokens": out.num_cached_tokens,
+                "elapsed_s": round(time.monotonic() - t0, 3),
+            }
+            print(RESULT_TAG + json.dumps(result), flush=True)
+        # Stop this engine core before the next phase starts one (RAM, CPU).
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return 0
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="One two-image request through vllm.LLM on the tiny hybrid VL model."
+    )
+    parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--stall-steps", type=int, default=200)
+    parser.add_argument("--stall-seconds", type=float, default=8.0)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--verbose", action="store_true", help="echo vLLM's log")
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args.worker)
+
+    mode = os.environ.get("VLLM_MAMBA_FIX", "auto (default)")
+    expect_hang = os.environ.get("VLLM_MAMBA_FIX", "").strip().lower() in {"0", "off", "false"}
+    t0 = time.monotonic()
+    model_dir = build(args.model_dir)
+    print(f"tiny model: {model_dir} (ready in {time.monotonic() - t0:.1f} s)")
+    print(f"VLLM_MAMBA_FIX={mode}; engine: {json.dumps(ENGINE_DEFAULTS)}")
+    print("request: 2 images x 256 tokens at prompt positions [1,257) and [259,515)")
+    outcome = run(
+        model_dir,
+        [Phase("demo", max_tokens=args.max_tokens)],
+        stall_steps=args.stall_steps,
+        stall_seconds=args.stall_seconds,
+        timeout_s=args.timeout,
+        echo=args.verbose,
+    )
+    active = [ln for ln in outcome.log_text.splitlines() if "vllm-mamba-fix" in ln]
+    for line in active:
+        print(f"  log: {line.strip()}")
+    if outcome.status == "completed" and outcome.results:
+        res = outcome.results[0]
+        print(f"output tokens: {res['token_ids']} = {res['text']!r}")
+        print(
+            f"VERDICT: COMPLETED - {len(res['token_ids'])} tokens, request took "
+            f"{res['elapsed_s']:.2f} s (total with engine start {outcome.elapsed_s:.1f} s)"
+        )
+    elif outcome.status == "hung":
+        print(f"VERDICT: HUNG - {outcome.evidence}; engine killed after {outcome.elapsed_s:.1f} s")
+    else:
+        print(outcome.log_text[-4000:])
+        print(f"VERDICT: FAILED - {outcome.evidence}")
+        return 2
+    ok = (outcome.status == "hung") == expect_hang
+    if not ok:
+        print("(unexpected for this mode)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

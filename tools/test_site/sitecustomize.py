@@ -1,0 +1,23 @@
+"""Test-only start-up hook for the tiny-model tests, demo and CPU examples.
+
+``PYTHONPATH=tools/test_site`` makes every Python process started with that environment (the
+test or demo process, vLLM's engine-core subprocess, ``vllm serve`` and its engine core) run
+this at start-up:
+
+* ``e2e_tv_shim``: lets transformers' Qwen3-VL processing run without torchvision;
+* ``e2e_progress_probe``: only if ``VLLM_E2E_PROBE`` is set, records scheduler progress for the
+  hang watchdog.
+
+Never raises: an interpreter that merely inherits PYTHONPATH must keep working.
+"""
+
+try:
+    import e2e_progress_probe as _probe
+    import e2e_tv_shim as _tv_shim
+
+    _tv_shim.install()
+    _probe.install()
+except Exception as _exc:  # pragma: no cover - defensive
+    import sys as _sys
+
+    print(f"test_site: not installed ({type(_exc).__name__}: {_exc})", file=_sys.stderr)
