@@ -53,3 +53,15 @@ def install_scope_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Insta
         monkeypatch.delitem(sys.modules, name, raising=False)
 
     return install
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shutdown_summary_in_pytest() -> Iterator[None]:
+    """pytest closes its capture streams before exit, where the summary line would go.
+
+    The summary itself is tested in a subprocess (tests/scheduler/test_observability.py).
+    """
+    yield
+    from vllm_mamba_fix.counters import reset
+
+    reset()

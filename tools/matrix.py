@@ -1,0 +1,287 @@
+"""Run the scheduler-level suite (tests/scheduler) against a list of vLLM releases.
+
+Each release runs in its own subprocess with that release's pure-Python
+`vllm` package first on PYTHONPATH (tools/releases.py), so the tests import
+its real `Scheduler`. Prints one row per release and writes the table as
+Markdown (and JSON) so the README table comes from a run:
+
+    python -m tools.matrix --ci                    # one release per family
+    python -m tools.matrix                          # latest patch of every minor
+    python -m tools.matrix 0.19.1 0.25.1 -j 2
+    python -m tools.matrix --ci --readme README.md  # also refresh the README table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tools import releases
+
+REPO = Path(__file__).resolve().parent.parent
+REPORT_ENV = "VLLM_MAMBA_FIX_MATRIX_REPORT"
+README_START = "<!-- matrix:start -->"
+README_END = "<!-- matrix:end -->"
+
+
+def default_releases() -> list[str]:
+    """The first affected release, then the latest patch of every minor 0.15 ... 0.33."""
+    latest: dict[tuple[int, int], str] = {}
+    for release in releases.ALL_RELEASES:
+        major, minor, _ = (int(x) for x in release.split("."))
+        latest[(major, minor)] = release  # ALL_RELEASES is sorted
+    return ["0.15.0", *latest.values()]
+
+
+# --------------------------------------------------------------------------
+# Probe: runs inside the release's pytest process (see tests/scheduler/conftest.py)
+
+
+def probe() -> dict[str, Any]:
+    """Measure stock and patched behaviour of every scenario on the imported vLLM."""
+    import vllm_mamba_fix
+    from tools import scenarios as sc
+    from tools import sched_harness as harness
+    from vllm_mamba_fix.versions import family_for
+
+    version = harness.vllm_version()
+    family = family_for(version)
+    saved = {k: os.environ.pop(k, None) for k in ("VLLM_MAMBA_FIX", "VLLM_PLUGINS")}
+    try:
+        harness.unload_plugin()
+        stock = {s.name: s.run() for s in sc.ALL}
+        harness.load_plugins()
+        default_active = harness.split_is_wrapped()
+        if not default_active:
+            os.environ["VLLM_MAMBA_FIX"] = "force"
+            harness.unload_plugin()
+            harness.load_plugins()
+        before = vllm_mamba_fix.stats()
+        patched = {s.name: s.run() for s in sc.ALL}
+        after = vllm_mamba_fix.stats()
+        harness.unload_plugin()
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+    return {
+        "version": version,
+        "family": family.name,
+        "architecture": harness.supported_architecture(),
+        "block_size": next(iter(stock.values())).block_size,
+        "default_active": default_active,
+        "stock": {
+            name: {
+                "completed": r.completed,
+                "stall_at": r.stall_at,
+                "violations": len(r.violations()),
+            }
+            for name, r in stock.items()
+        },
+        "patched": {
+            name: {
+                "completed": r.completed,
+                "stall_at": r.stall_at,
+                "violations": len(r.violations()),
+            }
+            for name, r in patched.items()
+        },
+        "actions": {k: after.get(k, 0) - before.get(k, 0) for k in after},
+    }
+
+
+def _summary(result: Any) -> dict[str, Any]:
+    return {
+        "completed": result.completed,
+        "stall_at": result.stall_at,
+        "violations": len(result.violations()),
+    }
+
+
+# --------------------------------------------------------------------------
+# Runner
+
+
+@dataclass
+class Row:
+    release: str
+    family: str = "?"
+    stock: str = "?"
+    plugin: str = "?"
+    does: str = "?"
+    result: str = "error"
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    detail: str = ""
+    probe: dict[str, Any] = field(default_factory=dict)
+
+
+def _counts(junit: Path) -> tuple[int, int, int]:
+    if not junit.exists():
+        return 0, 0, 0
+    root = ET.parse(junit).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    total = sum(int(s.get("tests", 0)) for s in suites)
+    failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+    skipped = sum(int(s.get("skipped", 0)) for s in suites)
+    return total - failed - skipped, failed, skipped
+
+
+def _describe(row: Row, data: dict[str, Any]) -> None:
+    row.family = data["family"]
+    stock, patched = data["stock"], data["patched"]
+    stalls = [n for n, r in stock.items() if not r["completed"]]
+    if stalls:
+        first = stock[stalls[0]]["stall_at"]
+        where = ", ".join(f"{rid} @ {at}" for rid, at in first.items())
+        row.stock = f"stalls in {len(stalls)}/{len(stock)} scenarios ({stalls[0]}: {where})"
+    else:
+        row.stock = f"completes {len(stock)}/{len(stock)}"
+    done = sum(r["completed"] for r in patched.values())
+    bad = sum(r["violations"] for r in patched.values())
+    mode = "" if data["default_active"] else "force: "
+    row.plugin = f"{mode}completes {done}/{len(patched)}, {bad} boundary violations"
+    acts = data["actions"]
+    summary = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in acts.items() if v) or "no change"
+    if data["default_active"]:
+        row.does = f"patches: {summary}"
+    else:
+        row.does = f"inactive by default (not needed); force: {summary}"
+
+
+def run_release(release: str, timeout: float, pytest_args: list[str]) -> Row:
+    row = Row(release)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"matrix-{release}-") as tmp:
+        report, junit = Path(tmp) / "probe.json", Path(tmp) / "junit.xml"
+        try:
+            env = dict(os.environ)
+            env["PYTHONPATH"] = releases.pythonpath_for(release, base=str(REPO))
+            env[REPORT_ENV] = str(report)
+            env.setdefault("VLLM_MAMBA_FIX_PROPERTY_EXAMPLES", "8")
+            for name in ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS"):
+                env.pop(name, None)
+            cmd = [
+                sys.executable, "-m", "pytest", "tests/scheduler", "-m", "matrix", "-q",
+                "-p", "no:cacheprovider", f"--junitxml={junit}", *pytest_args,
+            ]  # fmt: skip
+            proc = subprocess.run(
+                cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+            )
+            lines = (proc.stdout + proc.stderr).strip().splitlines()
+            summary = [ln for ln in lines if re.match(r"(FAILED|ERROR) |=+ .*(passed|failed)", ln)]
+            row.detail = "\n".join([*summary, "...", *lines[-15:]])
+            row.passed, row.failed, row.skipped = _counts(junit)
+            row.result = "pass" if proc.returncode == 0 and row.passed else "FAIL"
+            if report.exists():
+                row.probe = json.loads(report.read_text())
+                _describe(row, row.probe)
+                if row.probe["version"] != release:
+                    row.result = "FAIL"
+                    row.detail += f"\nimported vLLM {row.probe['version']}, not {release}"
+        except subprocess.TimeoutExpired:
+            row.result, row.detail = "FAIL", f"timed out after {timeout:.0f}s"
+        except Exception as exc:  # a broken release must not stop the matrix
+            row.result, row.detail = "FAIL", f"{type(exc).__name__}: {exc}"
+    row.seconds = time.monotonic() - start
+    return row
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = [
+        "| release | family | stock | plugin | what the plugin does | tests |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tests = f"{r.result} ({r.passed} passed, {r.failed} failed, {r.skipped} skipped)"
+        lines.append(f"| {r.release} | {r.family} | {r.stock} | {r.plugin} | {r.does} | {tests} |")
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(readme: Path, table: str, note: str) -> None:
+    text = readme.read_text()
+    block = f"{README_START}\n{note}\n\n{table}{README_END}"
+    pattern = re.compile(re.escape(README_START) + ".*?" + re.escape(README_END), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{readme} has no {README_START} ... {README_END} markers")
+    readme.write_text(pattern.sub(lambda _: block, text))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("releases", nargs="*", help="releases (default: every minor)")
+    parser.add_argument("--ci", action="store_true", help="one release per family")
+    parser.add_argument("--all", action="store_true", help="every published release")
+    parser.add_argument("-j", "--jobs", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per release")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "matrix.md")
+    parser.add_argument("--readme", type=Path, help="refresh the table between the markers")
+    parser.add_argument("--pytest-args", default="", help="extra pytest arguments")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print pytest tails")
+    args = parser.parse_args(argv)
+
+    chosen = (
+        args.releases
+        or (list(releases.CI_RELEASES) if args.ci else None)
+        or (list(releases.ALL_RELEASES) if args.all else default_releases())
+    )
+    started = time.monotonic()
+    # Download and extract first, one at a time (pip and the disk do not parallelise).
+    for release in chosen:
+        try:
+            releases.pythonpath_for(release)
+        except Exception as exc:
+            print(f"{release}: cannot prepare overlay: {exc}", file=sys.stderr)
+    print(f"{'release':8} {'family':6} {'result':6} {'time':>6}  stock | plugin | does")
+    rows: list[Row] = []
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = [
+            pool.submit(run_release, r, args.timeout, args.pytest_args.split()) for r in chosen
+        ]
+        for future in futures:
+            row = future.result()
+            rows.append(row)
+            print(
+                f"{row.release:8} {row.family:6} {row.result:6} {row.seconds:5.0f}s  "
+                f"{row.stock} | {row.plugin} | {row.does}",
+                flush=True,
+            )
+            if args.verbose or row.result != "pass":
+                print("    " + row.detail.replace("\n", "\n    "), flush=True)
+    total = time.monotonic() - started
+    import vllm_mamba_fix
+
+    note = (
+        f"Generated by `python -m tools.matrix {' '.join(argv or sys.argv[1:])}`".rstrip()
+        + f" with vllm-mamba-fix {vllm_mamba_fix.__version__} on "
+        + time.strftime("%Y-%m-%d")
+        + f" ({len(rows)} releases, {total:.0f} s)."
+    )
+    table = markdown(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(f"{note}\n\n{table}")
+    args.out.with_suffix(".json").write_text(
+        json.dumps([asdict(r) for r in rows], indent=1, default=str)
+    )
+    if args.readme:
+        update_readme(args.readme, table, note)
+    print(f"\n{len(rows)} releases in {total:.0f} s; table written to {args.out}")
+    return 0 if all(r.result == "pass" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

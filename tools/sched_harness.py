@@ -1,0 +1,777 @@
+"""Drive vLLM's real v1 `Scheduler` for a hybrid Mamba/attention VL model, no GPU, no hub.
+
+What is real: `Scheduler`, `Request`, the KV cache manager, the encoder cache
+manager, `EngineArgs(...).create_engine_config()`, vLLM's hybrid block-size
+alignment, its per-layer KV cache specs and `get_kv_cache_configs`.
+What is not: the model runner. Each step feeds `update_from_output()` a
+`ModelRunnerOutput` that samples one token for every request whose prefill
+finished, as vLLM's own tests/v1/core/test_scheduler.py does.
+
+Works on vLLM 0.15.0 ... 0.33.0; constructors and signatures that changed are
+adapted by introspection (`_call_with_supported`).
+
+Typical use::
+
+    h = Harness(HarnessConfig())                 # Qwen3.5-35B-A3B shape, block 1056
+    h.add(image_request(h, "r0", [(16, 11844), (11876, 11844)], prompt_len=23750))
+    result = h.run(max_steps=200)
+    result.completed, result.stalled, result.chunks["r0"]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+# Text config of Qwen3.5-35B-A3B (the MoE FFN does not matter to the scheduler):
+# GatedDeltaNet layers with 16 key / 32 value heads of 128, 1 full-attention
+# layer in 4 with 2 KV heads of 256, fp32 SSM state. vLLM aligns this to block
+# 1056 at TP1 (attention page per token 2 KiB, GDN state ~2 MiB).
+QWEN35_TEXT_CONFIG: dict[str, Any] = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 2048,
+    "intermediate_size": 512,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "full_attention_interval": 4,
+    "layer_types": [
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)
+    ],
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "mamba_ssm_dtype": "float32",
+    "dtype": "bfloat16",
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+}
+QWEN35_ARCH = "Qwen3_5ForConditionalGeneration"
+# Stand-in for releases without Qwen3.5 (0.15-0.16): only the hybrid and
+# multimodal flags of the architecture matter at scheduler level.
+LFM2_VL_ARCH = "Lfm2VlForConditionalGeneration"
+# Qwen3.5-35B-A3B's aligned block size; forced for the stand-in architecture
+# so every release runs the same scenarios.
+QWEN35_BLOCK_SIZE = 1056
+
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "attention"})
+
+
+def _qwen35_config() -> dict[str, Any]:
+    return {
+        "architectures": [QWEN35_ARCH],
+        "model_type": "qwen3_5",
+        "text_config": QWEN35_TEXT_CONFIG,
+        "vision_config": {
+            "model_type": "qwen3_5",
+            "depth": 2,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_heads": 16,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 2048,
+            "num_position_embeddings": 2304,
+        },
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+
+
+def _lfm2_vl_config() -> dict[str, Any]:
+    # LFM2-VL-1.6B shape: short-conv layers with attention layers in between.
+    attn = {2, 5, 8, 10, 12, 14}
+    return {
+        "architectures": [LFM2_VL_ARCH],
+        "model_type": "lfm2_vl",
+        "text_config": {
+            "model_type": "lfm2",
+            "vocab_size": 65536,
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 262144,
+            "conv_L_cache": 3,
+            "conv_bias": False,
+            "norm_eps": 1e-5,
+            "layer_types": ["full_attention" if i in attn else "conv" for i in range(16)],
+            "dtype": "bfloat16",
+        },
+        "vision_config": {
+            "model_type": "siglip2_vision_model",
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 2,
+            "num_patches": 256,
+            "patch_size": 16,
+        },
+        "image_token_index": 396,
+        "downsample_factor": 2,
+        "projector_hidden_size": 2560,
+        "dtype": "bfloat16",
+    }
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """Scheduler settings. Defaults: the two-image deadlock setup of issue 2."""
+
+    # None: vLLM's own hybrid alignment (1056 for the Qwen3.5 shape).
+    block_size: int | None = None
+    max_num_batched_tokens: int = 8192
+    encoder_cache_tokens: int = 16384
+    # Encoder compute budget per step; None: same as the cache, as vLLM
+    # derives it when one image exceeds max_num_batched_tokens.
+    encoder_compute_tokens: int | None = None
+    long_prefill_token_threshold: int = 0
+    # None: enough for several max_model_len requests in every KV cache group.
+    num_blocks: int | None = None
+    max_num_seqs: int = 16
+    max_model_len: int = 65536
+    # None: Qwen3.5 where the release registers it, else LFM2-VL.
+    architecture: str | None = None
+
+
+# --------------------------------------------------------------------------
+# Import-time environment: works with or without the plugin, on any release.
+
+
+def _install_shims() -> None:
+    """Make vLLM's Qwen-VL model files importable without torchvision.
+
+    The overlay's sitecustomize does this in release runs; in a plain run we
+    load the same shim here and export it to vLLM's model-inspection
+    subprocesses through PYTHONPATH.
+    """
+    if getattr(sys.modules.get("sitecustomize"), "VLLM_MAMBA_FIX_SHIMS", False):
+        return
+    if "vllm_mamba_fix_test_shims" in sys.modules:
+        return
+    from tools.releases import ensure_base_shims
+
+    shim_dir = ensure_base_shims()
+    spec = importlib.util.spec_from_file_location(
+        "vllm_mamba_fix_test_shims", shim_dir / "sitecustomize.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(shim_dir) not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(shim_dir), *parts])
+
+
+_install_shims()
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def _call_with_supported(fn: Callable[..., Any], **kwargs: Any) -> Any:
+    """Call `fn` with the keyword arguments its signature accepts (releases differ)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(**kwargs)
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def _dataclass_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else None
+    if names is None:
+        names = set(inspect.signature(cls).parameters)
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+# --------------------------------------------------------------------------
+# Configuration
+
+
+def supported_architecture() -> str:
+    from vllm.model_executor.models import ModelRegistry
+
+    archs = set(ModelRegistry.get_supported_archs())
+    return QWEN35_ARCH if QWEN35_ARCH in archs else LFM2_VL_ARCH
+
+
+_MODEL_DIRS: dict[str, Path] = {}
+
+
+def model_dir(architecture: str) -> Path:
+    """A local model directory with only config.json (no weights, no tokenizer)."""
+    if architecture not in _MODEL_DIRS:
+        config = _qwen35_config() if architecture == QWEN35_ARCH else _lfm2_vl_config()
+        path = Path(tempfile.mkdtemp(prefix=f"mamba-fix-{architecture}-"))
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+        _MODEL_DIRS[architecture] = path
+    return _MODEL_DIRS[architecture]
+
+
+def _engine_config(cfg: HarnessConfig, architecture: str, block_size: int | None) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = _call_with_supported(
+        EngineArgs,
+        model=str(model_dir(architecture)),
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        dtype="bfloat16",
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        mamba_cache_mode="align",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=cfg.max_model_len,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+        limit_mm_per_prompt={"image": 4, "video": 0},
+        block_size=block_size,
+    )
+    return args.create_engine_config()
+
+
+def _model_cls(vllm_config: Any) -> type:
+    from vllm.model_executor.models import ModelRegistry
+
+    model_config = vllm_config.model_config
+    resolved = _call_with_supported(
+        ModelRegistry.resolve_model_cls,
+        architectures=model_config.architectures,
+        model_config=model_config,
+    )
+    return resolved[0]
+
+
+def _align_block_size(vllm_config: Any) -> None:
+    """Run vLLM's hybrid block-size alignment the way a CUDA deployment does.
+
+    Releases up to 0.22 align in `HybridAttentionMambaModelConfig` during
+    `create_engine_config()`, but the CPU platform then resets the block size
+    to its own default (128). Later releases align from the executor once the
+    attention backend is known (`Platform._align_hybrid_block_size`). Either
+    way we rerun vLLM's alignment from the CUDA default block size (16); the
+    CPU attention backend's kernel constraint (multiple of 16) equals
+    FlashAttention's. Qwen3.5-35B-A3B at TP1 gets 1056.
+    """
+    from vllm.platforms.interface import Platform
+
+    cache_config = vllm_config.cache_config
+    if not vllm_config.model_config.is_hybrid:
+        return
+    if not getattr(cache_config, "user_specified_block_size", False):
+        cache_config.block_size = getattr(type(cache_config), "DEFAULT_BLOCK_SIZE", 16)
+    align = getattr(Platform, "_align_hybrid_block_size", None)
+    if align is not None:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        align(vllm_config, CPUAttentionBackend)
+    else:
+        from vllm.model_executor.models.config import HybridAttentionMambaModelConfig
+
+        cache_config.mamba_block_size = None  # recomputed from the block size
+        HybridAttentionMambaModelConfig.verify_and_update_config(vllm_config)
+
+
+def _enum_or_str(default: Any, wanted: Sequence[str], fallback: str) -> Any:
+    if isinstance(default, Enum):
+        for member in type(default):
+            if any(w in member.name.upper() for w in wanted):
+                return member
+        return default
+    return fallback
+
+
+def _kv_cache_specs(vllm_config: Any, model_cls: type) -> dict[str, Any]:
+    """Per-layer KV cache specs, as the model's layers report them to the runner."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    cache_config = vllm_config.cache_config
+    model_config = vllm_config.model_config
+    block_size = cache_config.block_size
+    text_config = model_config.hf_text_config
+    kv_dtype = model_config.dtype
+
+    attn = FullAttentionSpec(
+        **_dataclass_kwargs(
+            FullAttentionSpec,
+            {
+                "block_size": block_size,
+                "num_kv_heads": model_config.get_num_kv_heads(vllm_config.parallel_config),
+                "head_size": model_config.get_head_size(),
+                "dtype": kv_dtype,
+                "use_mla": False,
+            },
+        )
+    )
+    mamba_default = next(f.default for f in dataclasses.fields(MambaSpec) if f.name == "mamba_type")
+    is_gdn = model_config.architectures[0] == QWEN35_ARCH
+    mamba_type = _enum_or_str(
+        mamba_default,
+        ["GDN", "GATED_DELTA"] if is_gdn else ["SHORT_CONV"],
+        "gdn_attention" if is_gdn else "short_conv",
+    )
+    mamba = MambaSpec(
+        **_dataclass_kwargs(
+            MambaSpec,
+            {
+                "shapes": tuple(model_cls.get_mamba_state_shape_from_config(vllm_config)),
+                "dtypes": tuple(model_cls.get_mamba_state_dtype_from_config(vllm_config)),
+                "block_size": cache_config.mamba_block_size or block_size,
+                "page_size_padded": cache_config.mamba_page_size_padded,
+                "mamba_type": mamba_type,
+                "mamba_cache_mode": cache_config.mamba_cache_mode,
+                "num_speculative_blocks": 0,
+            },
+        )
+    )
+    # A block size forced below the model's own alignment leaves the attention
+    # page smaller than the GDN state; pad both to one page, as vLLM's
+    # alignment would. The scheduler only reads block counts and sizes.
+    page = max(attn.page_size_bytes, mamba.page_size_bytes)
+    if attn.page_size_bytes != page:
+        attn = dataclasses.replace(attn, page_size_padded=page)
+    if mamba.page_size_bytes != page:
+        mamba = dataclasses.replace(mamba, page_size_padded=page)
+
+    specs: dict[str, Any] = {}
+    for i, layer_type in enumerate(text_config.layer_types):
+        if layer_type in _ATTENTION_LAYER_TYPES:
+            specs[f"language_model.model.layers.{i}.self_attn.attn"] = attn
+        else:
+            specs[f"language_model.model.layers.{i}.mixer"] = mamba
+    return specs
+
+
+@contextlib.contextmanager
+def _plugins_left_alone() -> Iterator[None]:
+    """Keep `create_engine_config()` from loading general plugins.
+
+    The front end loads them there; the harness leaves that decision to its
+    caller (`load_plugins()`), so building a scheduler never patches it.
+    """
+    import vllm.plugins
+
+    saved = vllm.plugins.plugins_loaded
+    vllm.plugins.plugins_loaded = True
+    try:
+        yield
+    finally:
+        vllm.plugins.plugins_loaded = saved
+
+
+@contextlib.contextmanager
+def _no_processor_probe(model_config: Any) -> Iterator[None]:
+    """0.33 asks the model config, not the registry, whether to size the encoder
+    budget with the HF processor; answer no there too while the scheduler is built."""
+    cached = "_cached_supports_multimodal_inputs"
+    if not hasattr(model_config, cached):
+        yield
+        return
+    object.__setattr__(model_config, cached, lambda: False)
+    try:
+        yield
+    finally:
+        object.__delattr__(model_config, cached)
+
+
+class _NoProcessorRegistry:
+    """MultiModalRegistry stand-in that makes the scheduler skip its processor probe.
+
+    The scheduler's only use of the registry is to size the encoder budget,
+    which would instantiate the HF processor (tokenizer, image processor).
+    We size the encoder cache explicitly instead (HarnessConfig).
+    """
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def supports_multimodal_inputs(self, model_config: Any) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _get_kv_cache_configs(vllm_config: Any, specs: dict[str, Any], memory: int) -> list[Any]:
+    """vLLM's KV-cache-config builder for one TP1 worker (moved in 0.33)."""
+    try:
+        from vllm.v1.core import kv_cache_planning as planning
+    except ImportError:  # before 0.33
+        from vllm.v1.core import kv_cache_utils as planning
+
+        return planning.get_kv_cache_configs(vllm_config, [specs], [memory])
+    # 0.33 resolves the KV cache layout in the engine core first, from what
+    # the workers' attention backends support (here: the CPU backend).
+    from vllm.v1.attention.backends import utils as backend_utils
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    layouts = backend_utils.get_supported_kv_cache_layouts([CPUAttentionBackend])
+    backend_utils.resolve_kv_cache_layout(
+        vllm_config, [[layout.name for layout in layouts]], list(specs.values())
+    )
+    groups = planning.get_global_kv_cache_groups(vllm_config, [specs])
+    return planning.get_kv_cache_configs(vllm_config, [specs], [memory], groups)
+
+
+@dataclass
+class Built:
+    scheduler: Any
+    vllm_config: Any
+    block_size: int
+    hash_block_size: int
+    block_hasher: Callable[..., Any] | None
+    architecture: str
+
+
+def build_scheduler(cfg: HarnessConfig) -> Built:
+    """The real `Scheduler`, built the way `EngineCore` builds it."""
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    architecture = cfg.architecture or supported_architecture()
+    forced_block = cfg.block_size
+    if forced_block is None and architecture != QWEN35_ARCH:
+        forced_block = QWEN35_BLOCK_SIZE
+    with _plugins_left_alone():
+        vllm_config = _engine_config(cfg, architecture, None)
+    _align_block_size(vllm_config)
+    cache_config = vllm_config.cache_config
+    if forced_block is not None:
+        cache_config.block_size = forced_block
+        cache_config.mamba_block_size = forced_block
+        cache_config.mamba_page_size_padded = None
+    assert cache_config.mamba_cache_mode == "align", cache_config.mamba_cache_mode
+    assert cache_config.enable_prefix_caching
+
+    specs = _kv_cache_specs(vllm_config, _model_cls(vllm_config))
+    page = next(iter(specs.values())).page_size_bytes
+    # vLLM checks that one max_model_len request fits in every KV cache group
+    # (Qwen3.5 has 4); the override then sets the pool to exactly num_blocks.
+    per_request = cfg.max_model_len // cache_config.block_size + 2
+    num_blocks = cfg.num_blocks or max(1024, 8 * per_request)
+    cache_config.num_gpu_blocks_override = num_blocks
+    memory = page * len(specs) * (num_blocks + 1)
+    kv_cache_configs = _get_kv_cache_configs(vllm_config, specs, memory)
+    kv_cache_config = kcu.generate_scheduler_kv_cache_config(kv_cache_configs)
+    cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+
+    if hasattr(kcu, "resolve_kv_cache_block_sizes"):
+        block_size, hash_block_size = kcu.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    else:
+        parallel = vllm_config.parallel_config
+        block_size = (
+            cache_config.block_size
+            * getattr(parallel, "decode_context_parallel_size", 1)
+            * getattr(parallel, "prefill_context_parallel_size", 1)
+        )
+        hash_block_size = block_size
+
+    with _no_processor_probe(vllm_config.model_config):
+        scheduler = _call_with_supported(
+            Scheduler,
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=block_size,
+            hash_block_size=hash_block_size,
+            mm_registry=_NoProcessorRegistry(MULTIMODAL_REGISTRY),
+            include_finished_set=False,
+            log_stats=False,
+        )
+    # Encoder budget as vLLM sizes it for one image larger than the token budget.
+    cache_tokens = cfg.encoder_cache_tokens
+    scheduler.max_num_encoder_input_tokens = cfg.encoder_compute_tokens or cache_tokens
+    scheduler.encoder_cache_manager = type(scheduler.encoder_cache_manager)(cache_size=cache_tokens)
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
+    kcu.init_none_hash(hash_fn)
+    block_hasher = kcu.get_request_block_hasher(hash_block_size, hash_fn)
+    return Built(scheduler, vllm_config, cache_config.block_size, hash_block_size,
+                 block_hasher, architecture)  # fmt: skip
+
+
+# --------------------------------------------------------------------------
+# Requests
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    request_id: str
+    prompt_len: int
+    # (offset, length) of each image placeholder in the prompt.
+    images: tuple[tuple[int, int], ...] = ()
+    max_tokens: int = 1
+    # Distinct seeds give distinct prompts (no accidental prefix sharing).
+    seed: int | None = None
+
+
+def _prompt(spec: RequestSpec) -> list[int]:
+    seed = spec.seed if spec.seed is not None else sum(map(ord, spec.request_id)) * 131
+    return [1000 + (seed * 7919 + i * 104729) % 150000 for i in range(spec.prompt_len)]
+
+
+def _mm_features(spec: RequestSpec) -> list[Any] | None:
+    if not spec.images:
+        return None
+    from vllm.multimodal.inputs import (
+        MultiModalFeatureSpec,
+        MultiModalKwargsItem,
+        PlaceholderRange,
+    )
+
+    dummy = MultiModalKwargsItem.dummy
+    data = dummy("image") if "modality" in inspect.signature(dummy).parameters else dummy()
+    features = []
+    for j, (offset, length) in enumerate(spec.images):
+        identifier = f"{spec.request_id}-image{j}"
+        features.append(
+            MultiModalFeatureSpec(
+                **_dataclass_kwargs(
+                    MultiModalFeatureSpec,
+                    {
+                        "data": data,
+                        "modality": "image",
+                        "identifier": identifier,
+                        "mm_position": PlaceholderRange(offset=offset, length=length),
+                        "mm_hash": identifier,
+                    },
+                )
+            )
+        )
+    return features
+
+
+def make_request(built: Built, spec: RequestSpec) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    for offset, length in spec.images:
+        assert offset >= 0 and offset + length <= spec.prompt_len, (spec, offset, length)
+    return _call_with_supported(
+        Request,
+        request_id=spec.request_id,
+        prompt_token_ids=_prompt(spec),
+        sampling_params=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
+        pooling_params=None,
+        eos_token_id=None,
+        mm_features=_mm_features(spec),
+        block_hasher=built.block_hasher,
+    )
+
+
+# --------------------------------------------------------------------------
+# Driving
+
+
+Chunk = tuple[int, int]  # [start, end) of prompt tokens scheduled in one step
+
+
+@dataclass
+class RunResult:
+    block_size: int
+    steps: int
+    # Per request: [(step, start, end)] in order.
+    chunks: dict[str, list[tuple[int, int, int]]]
+    prompt_len: dict[str, int]
+    finished: set[str]
+    stalled: bool  # no request progressed for `stall_steps` consecutive steps
+    stall_at: dict[str, int]  # num_computed_tokens of each unfinished request at the end
+
+    @property
+    def completed(self) -> bool:
+        return not self.stall_at
+
+    def spans(self, request_id: str) -> list[Chunk]:
+        return [(s, e) for _, s, e in self.chunks.get(request_id, [])]
+
+    def prefill_done(self, request_id: str) -> bool:
+        spans = self.spans(request_id)
+        return bool(spans) and spans[-1][1] >= self.prompt_len[request_id]
+
+    def violations(self, block_size: int | None = None) -> list[tuple[str, int, int]]:
+        """Prefill chunks that start mid-block and end past the next boundary."""
+        b = block_size or self.block_size
+        bad = []
+        for rid, spans in self.chunks.items():
+            for _, start, end in spans:
+                if start >= self.prompt_len[rid]:
+                    continue  # decode
+                if start % b and end > (start // b + 1) * b:
+                    bad.append((rid, start, end))
+        return bad
+
+
+class Harness:
+    """One scheduler, a set of requests, and a step loop."""
+
+    def __init__(self, cfg: HarnessConfig | None = None) -> None:
+        self.cfg = cfg or HarnessConfig()
+        self.built = build_scheduler(self.cfg)
+        self.scheduler = self.built.scheduler
+        self.requests: dict[str, Any] = {}
+        self.chunks: dict[str, list[tuple[int, int, int]]] = {}
+        self.finished: set[str] = set()
+        self.step_index = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.built.block_size
+
+    def add(self, *specs: RequestSpec) -> None:
+        for spec in specs:
+            request = make_request(self.built, spec)
+            self.requests[spec.request_id] = request
+            self.chunks[spec.request_id] = []
+            self.scheduler.add_request(request)
+
+    def step(self) -> dict[str, Chunk]:
+        """One schedule() + update_from_output(); returns the chunks scheduled."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        output = self.scheduler.schedule()
+        scheduled: dict[str, int] = dict(output.num_scheduled_tokens)
+        step_chunks: dict[str, Chunk] = {}
+        req_ids = list(scheduled)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            request = self.requests[rid]
+            # schedule() has already advanced num_computed_tokens.
+            end = request.num_computed_tokens
+            start = end - scheduled[rid]
+            step_chunks[rid] = (start, end)
+            self.chunks[rid].append((self.step_index, start, end))
+            sampled.append([7] if end >= request.num_tokens else [])
+        runner_output = ModelRunnerOutput(
+            **_dataclass_kwargs(
+                ModelRunnerOutput,
+                {
+                    "req_ids": req_ids,
+                    "req_id_to_index": {rid: i for i, rid in enumerate(req_ids)},
+                    "sampled_token_ids": sampled,
+                    "logprobs": None,
+                    "prompt_logprobs_dict": {},
+                    "pooler_output": [],
+                },
+            )
+        )
+        self.scheduler.update_from_output(output, runner_output)
+        for rid, request in self.requests.items():
+            if rid not in self.finished and request.is_finished():
+                self.finished.add(rid)
+        self.step_index += 1
+        return step_chunks
+
+    def run(self, max_steps: int = 400, stall_steps: int = 25) -> RunResult:
+        """Step until every request finished, or nothing progressed for `stall_steps` steps."""
+        idle = 0
+        stalled = False
+        while len(self.finished) < len(self.requests) and self.step_index < max_steps:
+            before = {rid: r.num_computed_tokens for rid, r in self.requests.items()}
+            done_before = len(self.finished)
+            self.step()
+            progressed = len(self.finished) > done_before or any(
+                r.num_computed_tokens != before[rid] for rid, r in self.requests.items()
+            )
+            idle = 0 if progressed else idle + 1
+            if idle >= stall_steps:
+                stalled = True
+                break
+        return self.result(stalled)
+
+    def result(self, stalled: bool = False) -> RunResult:
+        return RunResult(
+            block_size=self.block_size,
+            steps=self.step_index,
+            chunks={rid: list(c) for rid, c in self.chunks.items()},
+            prompt_len={rid: r.num_prompt_tokens for rid, r in self.requests.items()},
+            finished=set(self.finished),
+            stalled=stalled,
+            stall_at={
+                rid: r.num_computed_tokens
+                for rid, r in self.requests.items()
+                if rid not in self.finished
+            },
+        )
+
+
+def run_requests(
+    specs: Iterable[RequestSpec],
+    cfg: HarnessConfig | None = None,
+    *,
+    max_steps: int = 400,
+    stall_steps: int = 25,
+    staged: Sequence[Sequence[RequestSpec]] = (),
+) -> RunResult:
+    """Add `specs`, then each group of `staged` after one more step, and run."""
+    harness = Harness(cfg)
+    harness.add(*specs)
+    for group in staged:
+        harness.step()
+        harness.add(*group)
+    return harness.run(max_steps=max_steps, stall_steps=stall_steps)
+
+
+# --------------------------------------------------------------------------
+# The plugin, loaded the engine's way
+
+
+def load_plugins() -> None:
+    """Load general plugins as EngineCore does (entry points, VLLM_PLUGINS honoured)."""
+    import vllm.plugins
+
+    vllm.plugins.plugins_loaded = False  # load_general_plugins runs once per process
+    vllm.plugins.load_general_plugins()
+
+
+def unload_plugin() -> None:
+    try:
+        import vllm_mamba_fix
+    except ImportError:
+        return
+    vllm_mamba_fix.unregister()
+
+
+def split_is_wrapped() -> bool:
+    """Whether Scheduler._mamba_block_aligned_split is currently a wrapper, not vLLM's own."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    fn = Scheduler.__dict__.get("_mamba_block_aligned_split")
+    return fn is not None and getattr(fn, "__wrapped__", None) is not None
