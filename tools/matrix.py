@@ -53,6 +53,7 @@ def probe() -> dict[str, Any]:
     import vllm_mamba_fix
     from tools import scenarios as sc
     from tools import sched_harness as harness
+    from vllm_mamba_fix.counters import reset as reset_counters
     from vllm_mamba_fix.versions import family_for
 
     version = harness.vllm_version()
@@ -71,6 +72,8 @@ def probe() -> dict[str, Any]:
         patched = {s.name: s.run() for s in sc.ALL}
         after = vllm_mamba_fix.stats()
         harness.unload_plugin()
+        # pytest has closed its streams by the time the exit summary would be logged.
+        reset_counters()
     finally:
         for key, value in saved.items():
             os.environ.pop(key, None)

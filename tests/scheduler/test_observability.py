@@ -1,14 +1,9 @@
-"""Counters, correction logs, the shutdown summary and the scope hook, on the real scheduler."""
+"""Counters, correction logs and the scope hook, on the real scheduler of each release."""
 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-import textwrap
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +14,6 @@ from vllm_mamba_fix import stats
 from vllm_mamba_fix.counters import reset
 from vllm_mamba_fix.versions import Family
 
-REPO = Path(__file__).resolve().parents[2]
 COUNTER_OF_ACTION = {
     "collapse-prevented": "collapses_prevented",
     "realigned": "chunks_realigned",
@@ -38,6 +32,8 @@ def _corrections(records: list[logging.LogRecord]) -> list[tuple[int, str, str]]
     """(level, action, request id) of each correction line."""
     found = []
     for record in records:
+        if record.name != "vllm.mamba_fix":
+            continue  # older releases let vLLM's own records reach caplog too
         args = record.args if isinstance(record.args, tuple) else ()
         if len(args) >= 2 and args[0] in COUNTER_OF_ACTION:
             found.append((record.levelno, str(args[0]), str(args[1])))
@@ -61,7 +57,11 @@ def test_corrections_are_counted_and_logged_once_per_request_at_info(
     assert sorted(info_ids) == sorted(set(info_ids)), "a request was logged at info twice"
     assert set(info_ids) == {"running-image", "waiting-image"}  # text is never corrected
     assert all(level in (logging.INFO, logging.DEBUG) for level, _, _ in lines)
-    messages = [r.getMessage() for r in plugin_log.records if "scheduling" in r.getMessage()]
+    messages = [
+        r.getMessage()
+        for r in plugin_log.records
+        if r.name == "vllm.mamba_fix" and "scheduling" in r.getMessage()
+    ]
     assert len(messages) == len(lines)
     assert all(m.endswith("(block size 1056)") for m in messages)
 
@@ -83,44 +83,3 @@ def test_third_party_scope_rule_is_honoured(
     result = sc.TWO_IMAGES.run()
     assert result.stalled, "the rule excluded the request, so it must hang as on stock"
     assert sum(stats().values()) == 0
-
-
-CHILD = textwrap.dedent(
-    """
-    import logging, sys
-    from tools import scenarios as sc
-    from tools import sched_harness as harness
-    import vllm_mamba_fix
-
-    harness.load_plugins()
-    assert sc.TWO_IMAGES.run().completed
-    counts = vllm_mamba_fix.stats()
-    print("COUNTS", counts["collapses_prevented"], counts["chunks_realigned"],
-          counts["chunks_stopped_at_encoder_input"], flush=True)
-    """
-)
-
-
-def test_summary_line_when_the_process_exits() -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    for name in ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS"):
-        env.pop(name, None)
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD], env=env, cwd=REPO, capture_output=True, text=True,
-        timeout=600, check=False,
-    )  # fmt: skip
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
-    collapses, realigned, stopped = next(
-        line.split()[1:] for line in done.stdout.splitlines() if line.startswith("COUNTS")
-    )
-    summary = [line for line in output.splitlines() if "this process prevented" in line]
-    assert len(summary) == 1, output[-3000:]
-    assert (
-        f"prevented {collapses} collapses, re-aligned {realigned} chunks and stopped "
-        f"{stopped} chunks at an encoder input" in summary[0]
-    )
-    assert int(collapses) + int(realigned) + int(stopped) > 0
