@@ -426,23 +426,30 @@ class _NoProcessorRegistry:
         return getattr(self._real, name)
 
 
-def _get_kv_cache_configs(vllm_config: Any, specs: dict[str, Any], memory: int) -> list[Any]:
-    """vLLM's KV-cache-config builder for one TP1 worker (moved in 0.33)."""
-    try:
-        from vllm.v1.core import kv_cache_planning as planning
-    except ImportError:  # before 0.33
-        from vllm.v1.core import kv_cache_utils as planning
-
-        return planning.get_kv_cache_configs(vllm_config, [specs], [memory])
-    # 0.33 resolves the KV cache layout in the engine core first, from what
-    # the workers' attention backends support (here: the CPU backend).
+def _resolve_kv_cache_layout(vllm_config: Any, specs: dict[str, Any]) -> None:
+    """0.29+ resolve the KV cache layout in the engine core first, from what the
+    workers' attention backends support (here: the CPU backend)."""
     from vllm.v1.attention.backends import utils as backend_utils
+
+    if not hasattr(backend_utils, "resolve_kv_cache_layout"):
+        return
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     layouts = backend_utils.get_supported_kv_cache_layouts([CPUAttentionBackend])
     backend_utils.resolve_kv_cache_layout(
         vllm_config, [[layout.name for layout in layouts]], list(specs.values())
     )
+
+
+def _get_kv_cache_configs(vllm_config: Any, specs: dict[str, Any], memory: int) -> list[Any]:
+    """vLLM's KV-cache-config builder for one TP1 worker (moved in 0.33)."""
+    _resolve_kv_cache_layout(vllm_config, specs)
+    try:
+        from vllm.v1.core import kv_cache_planning as planning
+    except ImportError:  # before 0.33
+        from vllm.v1.core import kv_cache_utils as planning
+
+        return planning.get_kv_cache_configs(vllm_config, [specs], [memory])
     groups = planning.get_global_kv_cache_groups(vllm_config, [specs])
     return planning.get_kv_cache_configs(vllm_config, [specs], [memory], groups)
 

@@ -1,0 +1,279 @@
+"""Thin adapters over tools/sched_harness.py for the property suite (tests/properties).
+
+- Requests whose image hashes do not depend on the request id, so a repeated
+  request (same tokens, same images) can hit the prefix cache.
+- A scenario driver that submits requests at given steps (or when the request
+  they repeat has finished) and records which requests the plugin corrected.
+- The plugin loaded the engine's way, forced where a release leaves it off.
+- A runner for the suite on other releases through the release overlay:
+
+      python -m tools.prop_adapters 0.19.1 0.25.1     # ci profile
+      HYPOTHESIS_PROFILE=long python -m tools.prop_adapters 0.19.1 0.25.1 0.27.1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tools import sched_harness as harness
+from tools.sched_harness import HarnessConfig, RequestSpec
+
+REPO = Path(__file__).resolve().parent.parent
+PLUGIN_ENV = ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS")
+
+
+@dataclass(frozen=True)
+class PropRequest:
+    """One request of a generated scenario.
+
+    ``content`` names the prompt: two requests with the same content have the
+    same token ids and the same image hashes (a repeat). ``arrival`` is the
+    step at which it is submitted; ``after`` (a request id) submits it at the
+    first step after that request finished instead.
+    """
+
+    request_id: str
+    prompt_len: int
+    images: tuple[tuple[int, int], ...] = ()
+    content: str = ""
+    arrival: int = 0
+    after: str | None = None
+    max_tokens: int = 1
+
+    @property
+    def key(self) -> str:
+        return self.content or self.request_id
+
+
+@dataclass(frozen=True)
+class PropScenario:
+    block_size: int
+    budget: int
+    encoder_cache: int
+    threshold: int
+    requests: tuple[PropRequest, ...]
+
+    def config(self) -> HarnessConfig:
+        return HarnessConfig(
+            block_size=self.block_size,
+            max_num_batched_tokens=self.budget,
+            encoder_cache_tokens=self.encoder_cache,
+            long_prefill_token_threshold=self.threshold,
+            max_model_len=max(8192, max(r.prompt_len + r.max_tokens for r in self.requests) + 16),
+        )
+
+    @property
+    def has_images(self) -> bool:
+        return any(r.images for r in self.requests)
+
+
+def make_request(built: Any, req: PropRequest) -> Any:
+    """A vLLM Request whose tokens and image hashes depend on ``req.key``, not its id."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    seed = sum(ord(c) * 31**i for i, c in enumerate(req.key)) % 1_000_003
+    spec = RequestSpec(req.key, req.prompt_len, req.images, req.max_tokens, seed)
+    return harness._call_with_supported(
+        Request,
+        request_id=req.request_id,
+        prompt_token_ids=harness._prompt(spec),
+        sampling_params=SamplingParams(max_tokens=req.max_tokens, ignore_eos=True),
+        pooling_params=None,
+        eos_token_id=None,
+        mm_features=harness._mm_features(spec),  # identifiers "<key>-image<j>"
+        block_hasher=built.block_hasher,
+    )
+
+
+def add(h: harness.Harness, req: PropRequest) -> None:
+    request = make_request(h.built, req)
+    h.requests[req.request_id] = request
+    h.chunks[req.request_id] = []
+    h.scheduler.add_request(request)
+
+
+@dataclass
+class Trace:
+    result: harness.RunResult
+    # request id -> step at which it was submitted
+    submitted: dict[str, int]
+    # request id -> whether the request it repeats had finished when it was submitted
+    repeat_of_finished: dict[str, bool]
+    # (step, request id, action) for every correction the plugin made
+    corrections: list[tuple[int, str, str]] = field(default_factory=list)
+
+    @property
+    def first_correction_step(self) -> int | None:
+        return min((s for s, _, _ in self.corrections), default=None)
+
+
+def drive(scenario: PropScenario, *, max_steps: int, stall_steps: int = 30) -> Trace:
+    """Submit the requests at their steps and step until all finished or stalled."""
+    from vllm_mamba_fix import counters
+
+    h = harness.Harness(scenario.config())
+    corrections: list[tuple[int, str, str]] = []
+    original_record = counters.record
+
+    def record(action: Any, request_id: str, *args: Any) -> None:
+        corrections.append((h.step_index, request_id, action.value))
+        original_record(action, request_id, *args)
+
+    submitted: dict[str, int] = {}
+    repeat_of_finished: dict[str, bool] = {}
+    pending = list(scenario.requests)
+    idle, stalled = 0, False
+    counters.record = record  # type: ignore[assignment]
+    try:
+        while h.step_index < max_steps:
+            for req in list(pending):
+                ready = (
+                    req.after in h.finished
+                    if req.after is not None
+                    else h.step_index >= req.arrival
+                )
+                if ready:
+                    originals = [
+                        r.request_id
+                        for r in scenario.requests
+                        if r.key == req.key and r.request_id in submitted
+                    ]
+                    if originals:
+                        repeat_of_finished[req.request_id] = any(o in h.finished for o in originals)
+                    add(h, req)
+                    submitted[req.request_id] = h.step_index
+                    pending.remove(req)
+            if not pending and len(h.finished) == len(h.requests):
+                break
+            before = {rid: r.num_computed_tokens for rid, r in h.requests.items()}
+            done = len(h.finished)
+            h.step()
+            progressed = len(h.finished) > done or any(
+                r.num_computed_tokens != before[rid] for rid, r in h.requests.items()
+            )
+            idle = 0 if progressed else idle + 1
+            if idle >= stall_steps and not pending:
+                stalled = True
+                break
+    finally:
+        counters.record = original_record  # type: ignore[assignment]
+    result = h.result(stalled)
+    for req in pending:  # never submitted: counts as unfinished
+        result.stall_at[req.request_id] = -1
+    return Trace(result, submitted, repeat_of_finished, corrections)
+
+
+# --------------------------------------------------------------------------
+# Plugin state
+
+
+@contextlib.contextmanager
+def clean_env() -> Iterator[None]:
+    saved = {name: os.environ.pop(name, None) for name in PLUGIN_ENV}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def plugin_active() -> Iterator[str]:
+    """The plugin loaded through vLLM's load_general_plugins(); forced if off by default.
+
+    Yields "default" or "force".
+    """
+    with clean_env():
+        harness.unload_plugin()
+        harness.load_plugins()
+        mode = "default"
+        if not harness.split_is_wrapped():
+            os.environ["VLLM_MAMBA_FIX"] = "force"
+            harness.unload_plugin()
+            harness.load_plugins()
+            mode = "force"
+        assert harness.split_is_wrapped(), "the plugin did not patch the scheduler"
+        try:
+            yield mode
+        finally:
+            harness.unload_plugin()
+
+
+@contextlib.contextmanager
+def stock() -> Iterator[None]:
+    with clean_env():
+        harness.unload_plugin()
+        assert not harness.split_is_wrapped()
+        yield
+
+
+@contextlib.contextmanager
+def wrapped_without_realign() -> Iterator[None]:
+    """The plugin's wrapper with only the re-align rule switched off."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_mamba_fix import patch
+    from vllm_mamba_fix.config import Scope
+    from vllm_mamba_fix.scope import ScopePolicy
+    from vllm_mamba_fix.versions import family_for
+
+    family = family_for(harness.vllm_version())
+    assert family.prefill_gate is not None
+    with stock():
+        options = patch.WrapOptions(
+            family.prefill_gate, ScopePolicy(Scope.MULTIMODAL), realign=False
+        )
+        patch.wrap(Scheduler, options)
+        try:
+            yield
+        finally:
+            patch.unwrap(Scheduler)
+
+
+def replace(scenario: PropScenario, **changes: Any) -> PropScenario:
+    return dataclasses.replace(scenario, **changes)
+
+
+# --------------------------------------------------------------------------
+# Runner on other releases
+
+
+def run_release(release: str, pytest_args: list[str]) -> tuple[int, float]:
+    from tools import releases
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = releases.pythonpath_for(release, base=str(REPO))
+    for name in PLUGIN_ENV:
+        env.pop(name, None)
+    start = time.monotonic()
+    cmd = [sys.executable, "-m", "pytest", "tests/properties", "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run([*cmd, *pytest_args], cwd=REPO, env=env)
+    return proc.returncode, time.monotonic() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    releases_ = [a for a in args if not a.startswith("-")] or ["0.19.1", "0.25.1", "0.27.1"]
+    extra = [a for a in args if a.startswith("-")]
+    status = 0
+    for release in releases_:
+        code, seconds = run_release(release, extra)
+        print(f"{release}: pytest exit {code} in {seconds:.0f} s", flush=True)
+        status = status or code
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
