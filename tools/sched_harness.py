@@ -383,14 +383,13 @@ def _plugins_left_alone() -> Iterator[None]:
     The front end loads them there; the harness leaves that decision to its
     caller (`load_plugins()`), so building a scheduler never patches it.
     """
-    import vllm.plugins
-
-    saved = vllm.plugins.plugins_loaded
-    vllm.plugins.plugins_loaded = True
+    plugins = importlib.import_module("vllm.plugins")
+    saved = plugins.plugins_loaded
+    plugins.plugins_loaded = True
     try:
         yield
     finally:
-        vllm.plugins.plugins_loaded = saved
+        plugins.plugins_loaded = saved
 
 
 @contextlib.contextmanager
@@ -762,10 +761,10 @@ def run_requests(
 
 def load_plugins() -> None:
     """Load general plugins as EngineCore does (entry points, VLLM_PLUGINS honoured)."""
-    import vllm.plugins
-
-    vllm.plugins.plugins_loaded = False  # load_general_plugins runs once per process
-    vllm.plugins.load_general_plugins()
+    # Through sys.modules: tests that swap vLLM modules may leave `vllm.plugins` unbound.
+    plugins = importlib.import_module("vllm.plugins")
+    plugins.plugins_loaded = False  # load_general_plugins runs once per process
+    plugins.load_general_plugins()
 
 
 def unload_plugin() -> None:

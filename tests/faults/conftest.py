@@ -243,6 +243,11 @@ def fake_vllm(tmp_path: Path) -> Iterator[Callable[..., FakeVllm]]:
         for name in _vllm_modules():
             del sys.modules[name]
         sys.modules.update(saved)
+        # Imports during the test may have unbound submodules from their packages.
+        for name, module in saved.items():
+            parent, _, child = name.rpartition(".")
+            if parent in saved:
+                setattr(saved[parent], child, module)
 
 
 def scheduler_method(cls: type) -> Any:
