@@ -16,14 +16,23 @@ pytest.importorskip("hypothesis")
 from tests.properties._support import FIGURES, PROFILE_NAME
 from tools import prop_adapters
 from tools import sched_harness as harness
+from vllm_mamba_fix.versions import release_of
+
+# 0.17.x validate the engine config against the block size they derive for the
+# model (1056) and reject most generated block/budget combinations before a
+# scheduler exists; tests/scheduler covers those releases with fixed scenarios.
+_CONFIG_REJECTS_GENERATED = (release_of(harness.vllm_version()) or (0, 0, 0))[:2] == (0, 17)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The release matrix selects its per-release subset with `-m matrix`; the
     # ci profile of this folder is small enough to be part of it.
+    skip = pytest.mark.skip(reason="vLLM 0.17.x rejects generated configs (see conftest)")
     for item in items:
         if "tests/properties/" in item.nodeid.replace("\\", "/"):
             item.add_marker(pytest.mark.matrix)
+            if _CONFIG_REJECTS_GENERATED:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
