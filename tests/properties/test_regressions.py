@@ -19,8 +19,8 @@ import pytest
 from hypothesis import Phase, example, given, settings
 
 from tests.properties._support import (
-    CHUNK_LENGTH_FAMILY,
     FAMILY,
+    SUB_BLOCK_CAP_HANGS_TEXT,
     check_aligned,
     check_scenario,
     scenarios,
@@ -58,7 +58,7 @@ FOUR_IMAGES_SMALL_BLOCKS = PropScenario(
 
 def _sub_block(scenario: PropScenario) -> bool:
     cap = min(scenario.budget, scenario.threshold or scenario.budget)
-    return CHUNK_LENGTH_FAMILY and cap < scenario.block_size
+    return SUB_BLOCK_CAP_HANGS_TEXT and cap < scenario.block_size
 
 
 @settings(phases=[Phase.explicit], deadline=None)
