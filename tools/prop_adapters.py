@@ -155,13 +155,7 @@ def drive(scenario: PropScenario, *, max_steps: int, stall_steps: int = 30) -> T
                     pending.remove(req)
             if not pending and len(h.finished) == len(h.requests):
                 break
-            before = {rid: r.num_computed_tokens for rid, r in h.requests.items()}
-            done = len(h.finished)
-            h.step()
-            progressed = len(h.finished) > done or any(
-                r.num_computed_tokens != before[rid] for rid, r in h.requests.items()
-            )
-            idle = 0 if progressed else idle + 1
+            idle = 0 if h.advance() else idle + 1
             if idle >= stall_steps and not pending:
                 stalled = True
                 break

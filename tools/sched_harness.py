@@ -705,18 +705,21 @@ class Harness:
         self.step_index += 1
         return step_chunks
 
+    def advance(self) -> bool:
+        """One step; whether any request computed tokens or finished in it."""
+        before = {rid: r.num_computed_tokens for rid, r in self.requests.items()}
+        done_before = len(self.finished)
+        self.step()
+        return len(self.finished) > done_before or any(
+            r.num_computed_tokens != before[rid] for rid, r in self.requests.items()
+        )
+
     def run(self, max_steps: int = 400, stall_steps: int = 25) -> RunResult:
         """Step until every request finished, or nothing progressed for `stall_steps` steps."""
         idle = 0
         stalled = False
         while len(self.finished) < len(self.requests) and self.step_index < max_steps:
-            before = {rid: r.num_computed_tokens for rid, r in self.requests.items()}
-            done_before = len(self.finished)
-            self.step()
-            progressed = len(self.finished) > done_before or any(
-                r.num_computed_tokens != before[rid] for rid, r in self.requests.items()
-            )
-            idle = 0 if progressed else idle + 1
+            idle = 0 if self.advance() else idle + 1
             if idle >= stall_steps:
                 stalled = True
                 break
