@@ -14,6 +14,8 @@ from typing import TypeVar
 
 ENV_MODE = "VLLM_MAMBA_FIX"
 ENV_SCOPE = "VLLM_MAMBA_FIX_SCOPE"
+ENV_STALL_SECONDS = "VLLM_MAMBA_FIX_STALL_SECONDS"
+DEFAULT_STALL_SECONDS = 30.0
 # vLLM's own allow-list of plugins; read only to report it (vLLM applies it).
 ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
 PLUGIN_NAME = "mamba_fix"
@@ -47,6 +49,8 @@ _SCOPE_VALUES: dict[str, Scope] = {scope.value: scope for scope in Scope}
 class Settings:
     mode: Mode = Mode.AUTO
     scope: Scope = Scope.MULTIMODAL
+    # Seconds a request may get 0 tokens before the watchdog names it; None: off.
+    stall_seconds: float | None = DEFAULT_STALL_SECONDS
     problems: tuple[str, ...] = ()
 
 
@@ -66,12 +70,33 @@ def _parse(
     return default, f"{name}={raw!r} is not one of {accepted}; using {default.value!r}"
 
 
+def _parse_seconds(environ: Mapping[str, str]) -> tuple[float | None, str | None]:
+    raw = environ.get(ENV_STALL_SECONDS)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_STALL_SECONDS, None
+    text = raw.strip().lower()
+    if text == "off":
+        return None, None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if 0 <= seconds < float("inf"):
+        return seconds, None
+    problem = (
+        f"{ENV_STALL_SECONDS}={raw!r} is not a number of seconds >= 0 or 'off'; "
+        f"using {DEFAULT_STALL_SECONDS:g}"
+    )
+    return DEFAULT_STALL_SECONDS, problem
+
+
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if environ is None else environ
     mode, mode_problem = _parse(env, ENV_MODE, _MODE_VALUES, Mode.AUTO)
     scope, scope_problem = _parse(env, ENV_SCOPE, _SCOPE_VALUES, Scope.MULTIMODAL)
-    problems = tuple(p for p in (mode_problem, scope_problem) if p)
-    return Settings(mode=mode, scope=scope, problems=problems)
+    stall_seconds, stall_problem = _parse_seconds(env)
+    problems = tuple(p for p in (mode_problem, scope_problem, stall_problem) if p)
+    return Settings(mode=mode, scope=scope, stall_seconds=stall_seconds, problems=problems)
 
 
 def vllm_plugins_allows(environ: Mapping[str, str] | None = None) -> bool:

@@ -17,11 +17,9 @@ from vllm_mamba_fix.decision import Action
 _MAX_REMEMBERED_REQUESTS = 4096
 
 _lock = threading.Lock()
-_counts: dict[Action, int] = {
-    Action.COLLAPSE_PREVENTED: 0,
-    Action.REALIGNED: 0,
-    Action.STOPPED_AT_ENCODER_INPUT: 0,
-}
+_counts: dict[Action, int] = {action: 0 for action in Action if action is not Action.UNCHANGED}
+# Stalls the watchdog named, and those that moved again afterwards.
+_stalls = {"detected": 0, "resolved": 0}
 _logged_requests: OrderedDict[str, None] = OrderedDict()
 # The process that registered the summary; a forked child registers its own.
 _summary_pid: int | None = None
@@ -34,6 +32,9 @@ def stats() -> dict[str, int]:
             "collapses_prevented": _counts[Action.COLLAPSE_PREVENTED],
             "chunks_realigned": _counts[Action.REALIGNED],
             "chunks_stopped_at_encoder_input": _counts[Action.STOPPED_AT_ENCODER_INPUT],
+            "speculative_stalls_released": _counts[Action.SPECULATIVE_STALL_RELEASED],
+            "stalls_detected": _stalls["detected"],
+            "stalls_resolved": _stalls["resolved"],
         }
 
 
@@ -41,6 +42,8 @@ def reset() -> None:
     with _lock:
         for action in _counts:
             _counts[action] = 0
+        for kind in _stalls:
+            _stalls[kind] = 0
         _logged_requests.clear()
 
 
@@ -63,16 +66,25 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
     )
 
 
+def record_stall(resolved: bool = False) -> None:
+    with _lock:
+        _stalls["resolved" if resolved else "detected"] += 1
+
+
 def log_summary() -> None:
     """Logged at process shutdown when anything was corrected."""
     counts = stats()
     if any(counts.values()):
         logger.info(
-            "vllm-mamba-fix: this process prevented %d collapses, re-aligned %d chunks and "
-            "stopped %d chunks at an encoder input",
+            "vllm-mamba-fix: this process prevented %d collapses, re-aligned %d chunks, "
+            "stopped %d chunks at an encoder input, released %d speculative stalls, and "
+            "named %d stalls (%d moved again)",
             counts["collapses_prevented"],
             counts["chunks_realigned"],
             counts["chunks_stopped_at_encoder_input"],
+            counts["speculative_stalls_released"],
+            counts["stalls_detected"],
+            counts["stalls_resolved"],
         )
 
 

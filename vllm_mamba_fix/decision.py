@@ -7,6 +7,7 @@ can be tested exhaustively without a scheduler.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from typing import NamedTuple
 
 
@@ -22,6 +23,9 @@ class Action(enum.Enum):
     # Stock floored a chunk cut short at an encoder input; upstream (0.28+)
     # ends it at that input, saving a step.
     STOPPED_AT_ENCODER_INPUT = "stopped-at-encoder-input"
+    # EAGLE-type speculation parked the request at an encoder input it holds
+    # itself (shifted cut, deferred free); ended the 0.33 way.
+    SPECULATIVE_STALL_RELEASED = "speculative-stall-released"
 
 
 class Decision(NamedTuple):
@@ -94,3 +98,36 @@ def in_prefill_by_output_tokens(num_output_tokens: int) -> bool:
 def in_prefill_by_position(start: int, num_prompt_tokens: int, num_tokens: int) -> bool:
     """Prefill gate of vLLM 0.17+, which also covers resumed requests."""
     return start < max(num_prompt_tokens, num_tokens - 1)
+
+
+class StallRelease(NamedTuple):
+    stalled: bool
+    # Held inputs the request has computed past: 0.33 would have freed them.
+    to_free: tuple[int, ...]
+
+
+def speculative_stall_release(
+    computed: int, shift: int, held: Mapping[int, tuple[int, int]]
+) -> StallRelease:
+    """Whether a request that got 0 tokens is parked by its own encoder input.
+
+    ``held`` maps the ids of the request's inputs in the encoder cache to their
+    placeholder ``(offset, length)``; ``shift`` is the drafter's look-ahead that
+    vLLM subtracts at an encoder cut (0 without EAGLE-type speculation).
+
+    Under speculation vLLM 0.24-0.32 cut a chunk ``shift`` tokens before an
+    input it cannot schedule, and free a held input only ``shift`` tokens after
+    its end. A held input that ends within ``computed + shift`` therefore keeps
+    the cache full for the input that is next, and neither moves again:
+
+    - it ends at or before ``computed``: only the deferred free holds it, so
+      free it now (0.33 frees it there);
+    - it ends after ``computed``: the shifted cut keeps the request from
+      computing its last tokens, so cut without the shift (0.33's cut).
+    """
+    if shift <= 0:
+        return StallRelease(False, ())
+    ends = {input_id: offset + length for input_id, (offset, length) in held.items()}
+    if not any(end <= computed + shift for end in ends.values()):
+        return StallRelease(False, ())
+    return StallRelease(True, tuple(sorted(i for i, end in ends.items() if end <= computed)))

@@ -14,9 +14,18 @@ from types import ModuleType
 
 from vllm_mamba_fix import __version__, counters, patch
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.config import ENV_MODE, Mode, Settings, load_settings
+from vllm_mamba_fix.config import Settings, load_settings
+from vllm_mamba_fix.evidence import read_evidence
 from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.versions import Family, Verdict, family_for
+from vllm_mamba_fix.versions import (
+    Family,
+    Plan,
+    PrefillGate,
+    Rule,
+    family_for,
+    plan,
+    preflight,
+)
 
 _lock = threading.RLock()
 _patched: list[type] = []
@@ -27,27 +36,6 @@ def _say_once(level: int, message: str) -> None:
     if message not in _said:
         _said.add(message)
         logger.log(level, "vllm-mamba-fix: %s", message)
-
-
-def policy(mode: Mode, family: Family, version: str) -> tuple[bool, int, str]:
-    """Whether to patch, and the log level and line that say why."""
-    if mode is Mode.OFF:
-        return False, logging.INFO, f"disabled by {ENV_MODE}; vLLM {version} left untouched"
-    if family.verdict is Verdict.PATCH:
-        return True, logging.DEBUG, f"vLLM {version} is affected ({family.summary})"
-    if mode is Mode.FORCE and family.verdict is not Verdict.ABSENT:
-        return True, logging.INFO, f"{ENV_MODE}=force: patching vLLM {version} regardless"
-    if family.verdict is Verdict.NOT_NEEDED:
-        reason = f"not needed on vLLM {version}: {family.summary}; leaving the scheduler untouched"
-        return False, logging.INFO, reason
-    if family.verdict is Verdict.ABSENT:
-        reason = f"vLLM {version} has no Scheduler.{patch.METHOD_NAME} (added in 0.15.0)"
-        return False, logging.INFO, reason
-    reason = (
-        f"cannot read the vLLM version {version!r}; leaving vLLM untouched "
-        f"(set {ENV_MODE}=force to patch anyway)"
-    )
-    return False, logging.WARNING, reason
 
 
 def _vllm_version() -> str | None:
@@ -82,9 +70,9 @@ def _register(settings: Settings) -> None:
     if version is None:
         return
     family = family_for(version)
-    should_patch, level, reason = policy(settings.mode, family, version)
+    should_wait, level, reason = preflight(settings.mode, family, version)
     _say_once(level, reason)
-    if should_patch:
+    if should_wait:
         patch.when_scheduler_imported(
             lambda module: _patch_scheduler(module, settings, family, version)
         )
@@ -99,42 +87,82 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                     logging.WARNING, f"{module.__name__} has no Scheduler class; not patching"
                 )
                 return
-            if patch.is_wrapped(scheduler_cls):
+            if any(patch.is_wrapped(scheduler_cls, name) for name in patch.WRAPPED_METHODS):
                 logger.debug("vllm-mamba-fix: already active in this process")
                 return
-            problem = patch.check_target(scheduler_cls)
-            if problem is not None:
-                _say_once(logging.WARNING, f"not patching: {problem}")
+            decided = plan(
+                settings.mode, family, read_evidence(scheduler_cls), settings.stall_seconds
+            )
+            if not decided.rules:
+                _say_once(
+                    logging.INFO,
+                    f"not needed on vLLM {version}: {decided.describe(active=False)}; "
+                    "leaving the scheduler untouched",
+                )
                 return
-            assert family.prefill_gate is not None  # policy() never patches ABSENT
-            policy = ScopePolicy(settings.scope)
-            policy.load()  # here, not in the first scheduling step that needs it
-            options = patch.WrapOptions(family.prefill_gate, policy)
-            patch.wrap(scheduler_cls, options)
+            installed = _install(scheduler_cls, decided, settings, family)
+            if not installed:
+                return
             _patched.append(scheduler_cls)
             counters.register_shutdown_summary()
             logger.info(
-                "vllm-mamba-fix %s active: patched Scheduler.%s (vLLM %s, family %s, scope %s, "
-                "pid %d)",
+                "vllm-mamba-fix %s active: patched %s; %s (vLLM %s, family %s, scope %s, pid %d)",
                 __version__,
-                patch.METHOD_NAME,
+                " and ".join(f"Scheduler.{name}" for name in installed),
+                decided.describe(active=True),
                 version,
                 family.name,
                 settings.scope.value,
                 os.getpid(),
             )
-            for subclass in patch.overriding_subclasses(scheduler_cls):
-                _warn_override(subclass)
-            patch.watch_subclasses(scheduler_cls, _warn_override)
+            for subclass in patch.overriding_subclasses(scheduler_cls, installed):
+                _warn_override(subclass, installed)
+            patch.watch_subclasses(
+                scheduler_cls, lambda subclass: _warn_override(subclass, installed), installed
+            )
     except Exception as exc:
         _say_once(logging.WARNING, f"not patching after an error ({type(exc).__name__}: {exc})")
 
 
-def _warn_override(subclass: type) -> None:
+def _install(
+    scheduler_cls: type, decided: Plan, settings: Settings, family: Family
+) -> tuple[str, ...]:
+    """Wrap what the plan asks for; a method whose shape is unexpected is left stock."""
+    policy = ScopePolicy(settings.scope)
+    policy.load()  # here, not in the first scheduling step that needs it
+    installed: list[str] = []
+    if Rule.SPLIT in decided.rules:
+        problem = patch.check_target(scheduler_cls, patch.METHOD_NAME)
+        if problem is not None:
+            _say_once(logging.WARNING, f"not patching: {problem}")
+        else:
+            # FORCE on an unreadable version has no gate of its own: 0.17+'s.
+            gate = family.prefill_gate or PrefillGate.BEFORE_PREFILL_END
+            patch.wrap(scheduler_cls, patch.WrapOptions(gate, policy))
+            installed.append(patch.METHOD_NAME)
+    encoder_rules = decided.rules & {Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG}
+    if encoder_rules:
+        problem = patch.check_target(scheduler_cls, patch.ENCODER_METHOD_NAME)
+        if problem is not None:
+            names = " and ".join(rule.value for rule in sorted(encoder_rules, key=str))
+            _say_once(logging.WARNING, f"not installing the {names} rule: {problem}")
+        else:
+            options = patch.EncoderOptions(
+                policy,
+                release_speculative_stalls=Rule.SPECULATIVE_STALL in decided.rules,
+                stall_seconds=settings.stall_seconds,
+            )
+            patch.wrap_encoder(scheduler_cls, options)
+            installed.append(patch.ENCODER_METHOD_NAME)
+    return tuple(installed)
+
+
+def _warn_override(subclass: type, installed: tuple[str, ...]) -> None:
+    overridden = " and ".join(patch.overridden_methods(subclass, installed))
     _say_once(
         logging.WARNING,
         f"{subclass.__module__}.{subclass.__qualname__} overrides "
-        f"{patch.METHOD_NAME}; the fix does not reach that scheduler",
+        f"{overridden}; the fix does not reach that scheduler",
     )
 
 

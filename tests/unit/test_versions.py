@@ -6,8 +6,18 @@ import logging
 import pytest
 
 from vllm_mamba_fix.config import Mode
-from vllm_mamba_fix.plugin import policy
-from vllm_mamba_fix.versions import FAMILIES, PrefillGate, Verdict, family_for, release_of
+from vllm_mamba_fix.evidence import UNREADABLE, Evidence
+from vllm_mamba_fix.versions import (
+    FAMILIES,
+    CutShift,
+    PrefillGate,
+    Rule,
+    Verdict,
+    family_for,
+    plan,
+    preflight,
+    release_of,
+)
 
 
 @pytest.mark.parametrize(
@@ -23,9 +33,10 @@ from vllm_mamba_fix.versions import FAMILIES, PrefillGate, Verdict, family_for, 
         ("0.26.0+cpu", "0.26"),
         ("0.27.1", "0.27"),
         ("0.27.2.dev12+g0123abc", "0.27"),
-        ("0.28.0", "0.28+"),
-        ("0.28.0rc1", "0.28+"),
-        ("0.33.0", "0.28+"),
+        ("0.28.0", "0.28"),
+        ("0.28.0rc1", "0.28"),
+        ("0.32.0", "0.28"),
+        ("0.33.0", "0.33+"),
         ("0.15", "0.15"),
         ("dev", "unknown"),
         ("", "unknown"),
@@ -54,14 +65,20 @@ def test_family_facts_match_the_release_notes() -> None:
     assert [f.name for f in FAMILIES if f.extra_parameter] == ["0.24"]
     assert family_for("0.16.0").prefill_gate is PrefillGate.NO_OUTPUT_TOKENS
     assert family_for("0.17.0").prefill_gate is PrefillGate.BEFORE_PREFILL_END
+    # #46315 (deferred free and the runner's fallback) landed in 0.24.0; 0.33 dropped the delay.
+    deferred = [f.name for f in FAMILIES if f.deferred_encoder_free]
+    assert deferred == ["0.24", "0.26", "0.27", "0.28"]
+    assert all(f.drafter_fallback for f in FAMILIES if f.deferred_encoder_free)
+    lookahead = [f.name for f in FAMILIES if f.cut_shift is CutShift.PREFILL_LOOKAHEAD]
+    assert lookahead == ["0.28", "0.33+"]
 
 
 @pytest.mark.parametrize(
-    ("mode", "version", "patches", "level", "says"),
+    ("mode", "version", "waits", "level", "says"),
     [
-        (Mode.AUTO, "0.27.1", True, logging.DEBUG, "affected"),
-        (Mode.AUTO, "0.15.0", True, logging.DEBUG, "affected"),
-        (Mode.AUTO, "0.28.0", False, logging.INFO, "not needed"),
+        (Mode.AUTO, "0.27.1", True, logging.DEBUG, "family 0.27"),
+        (Mode.AUTO, "0.15.0", True, logging.DEBUG, "family 0.15"),
+        (Mode.AUTO, "0.33.0", True, logging.DEBUG, "family 0.33+"),
         (Mode.FORCE, "0.28.0", True, logging.INFO, "force"),
         (Mode.AUTO, "0.14.1", False, logging.INFO, "has no Scheduler"),
         (Mode.FORCE, "0.14.1", False, logging.INFO, "has no Scheduler"),
@@ -70,7 +87,56 @@ def test_family_facts_match_the_release_notes() -> None:
         (Mode.OFF, "0.27.1", False, logging.INFO, "disabled"),
     ],
 )
-def test_policy(mode: Mode, version: str, patches: bool, level: int, says: str) -> None:
-    should_patch, log_level, reason = policy(mode, family_for(version), version)
-    assert (should_patch, log_level) == (patches, level)
+def test_preflight(mode: Mode, version: str, waits: bool, level: int, says: str) -> None:
+    should_wait, log_level, reason = preflight(mode, family_for(version), version)
+    assert (should_wait, log_level) == (waits, level)
     assert says in reason
+
+
+def _rules(version: str, evidence: Evidence = UNREADABLE, **kwargs: object) -> frozenset[Rule]:
+    mode = kwargs.pop("mode", Mode.AUTO)
+    seconds = kwargs.pop("seconds", 30.0)
+    return plan(mode, family_for(version), evidence, seconds).rules  # type: ignore[arg-type]
+
+
+ALL = frozenset(Rule)
+SPLIT_AND_WATCHDOG = frozenset({Rule.SPLIT, Rule.STALL_WATCHDOG})
+SPECULATIVE_AND_WATCHDOG = frozenset({Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG})
+
+
+@pytest.mark.parametrize(
+    ("version", "rules"),
+    [
+        ("0.15.0", SPLIT_AND_WATCHDOG),
+        ("0.23.0", SPLIT_AND_WATCHDOG),
+        ("0.24.0", ALL),
+        ("0.27.1", ALL),
+        ("0.28.0", SPECULATIVE_AND_WATCHDOG),
+        ("0.32.0", SPECULATIVE_AND_WATCHDOG),
+        ("0.33.0", frozenset()),
+        ("1.0.0", frozenset()),
+    ],
+)
+def test_plan_by_version_when_the_code_is_unreadable(version: str, rules: frozenset[Rule]) -> None:
+    assert _rules(version) == rules
+
+
+def test_code_evidence_overrides_the_version() -> None:
+    pre_fix_dev = Evidence(split_after_encoder=True, deferred_encoder_free=True)
+    backport = Evidence(split_after_encoder=False, deferred_encoder_free=True)
+    assert Rule.SPLIT in _rules("0.28.0.dev3", pre_fix_dev)
+    assert Rule.SPLIT not in _rules("0.27.1", backport)
+    verdict = plan(Mode.AUTO, family_for("0.27.1"), backport, 30.0).verdict(Rule.SPLIT)
+    assert verdict.basis == "code" and "backport" in verdict.reason
+    # 0.33's code frees without delay: no speculative rule, whatever the version says.
+    assert Rule.SPECULATIVE_STALL not in _rules("0.32.0", Evidence(False, False))
+    # Before 0.24 the runner asserts on a miss: never, whatever the code says.
+    assert Rule.SPECULATIVE_STALL not in _rules("0.23.0", Evidence(True, True))
+
+
+def test_force_and_watchdog_settings() -> None:
+    assert _rules("0.33.0", mode=Mode.FORCE) == SPLIT_AND_WATCHDOG
+    assert _rules("dev", mode=Mode.FORCE) == SPLIT_AND_WATCHDOG
+    assert _rules("0.27.1", seconds=None) == {Rule.SPLIT, Rule.SPECULATIVE_STALL}
+    off = plan(Mode.AUTO, family_for("0.27.1"), UNREADABLE, None).verdict(Rule.STALL_WATCHDOG)
+    assert not off.active and "off" in off.reason

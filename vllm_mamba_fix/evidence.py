@@ -1,0 +1,116 @@
+"""What the installed scheduler's code shows, read once when it is patched.
+
+A version number can mislead: a dev build of 0.28.0 made before upstream's
+fix (#51603) still hangs, and a vendor 0.27.x with the fix backported does
+not. The code tells them apart:
+
+- the split deadlocks when ``Scheduler.schedule`` budgets encoder inputs
+  (``_try_schedule_encoder_inputs``) before it calls
+  ``_mamba_block_aligned_split``;
+- the speculative encoder stall needs ``_free_encoder_inputs`` to defer a free
+  by a look-ahead.
+
+The parsers are pure functions of source text; :func:`read_evidence` is the
+only part that touches a class, and it never raises.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass
+
+SPLIT_METHOD = "_mamba_block_aligned_split"
+ENCODER_METHOD = "_try_schedule_encoder_inputs"
+FREE_METHOD = "_free_encoder_inputs"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """None: the code could not tell (unreadable source, or a shape not seen before)."""
+
+    split_after_encoder: bool | None = None
+    deferred_encoder_free: bool | None = None
+    problem: str | None = None  # why something could not be read
+
+
+UNREADABLE = Evidence(problem="no scheduler code was read")
+
+
+def _function(source: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except (SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            return node
+    return None
+
+
+def _first_self_call_lines(function: ast.AST, names: tuple[str, ...]) -> dict[str, int]:
+    """Line of the first ``self.<name>(...)`` call of each name, in source order."""
+    first: dict[str, int] = {}
+    for node in ast.walk(function):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+            and node.func.attr in names
+        ):
+            line = node.lineno
+            first[node.func.attr] = min(line, first.get(node.func.attr, line))
+    return first
+
+
+def split_after_encoder(schedule_source: str) -> bool | None:
+    """Whether ``schedule()`` budgets encoder inputs before its first split call."""
+    function = _function(schedule_source)
+    if function is None:
+        return None
+    lines = _first_self_call_lines(function, (SPLIT_METHOD, ENCODER_METHOD))
+    if len(lines) != 2:
+        return None
+    return lines[ENCODER_METHOD] < lines[SPLIT_METHOD]
+
+
+def deferred_encoder_free(free_source: str) -> bool | None:
+    """Whether ``_free_encoder_inputs`` delays a free by a look-ahead.
+
+    Every release that defers names the delay (``spec_lookahead``, or
+    ``num_prefill_lookahead``) in code, not only in comments.
+    """
+    function = _function(free_source)
+    if function is None:
+        return None
+    names = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(function) if isinstance(n, ast.Attribute)}
+    return any("lookahead" in name for name in names)
+
+
+def _source(cls: type, name: str) -> str | None:
+    method = getattr(cls, name, None)
+    if method is None:
+        return None
+    try:
+        return inspect.getsource(inspect.unwrap(method))
+    except (OSError, TypeError):
+        return None
+
+
+def read_evidence(scheduler_cls: type) -> Evidence:
+    """The installed scheduler's evidence; never raises."""
+    try:
+        schedule = _source(scheduler_cls, "schedule")
+        free = _source(scheduler_cls, FREE_METHOD)
+        order = split_after_encoder(schedule) if schedule else None
+        deferred = deferred_encoder_free(free) if free else None
+    except Exception as exc:  # a host quirk must never break vLLM
+        return Evidence(problem=f"{type(exc).__name__}: {exc}")
+    problem = None
+    if order is None:
+        problem = "the order of the split and encoder budgeting in Scheduler.schedule"
+        problem = f"could not read {problem}"
+    return Evidence(order, deferred, problem)
