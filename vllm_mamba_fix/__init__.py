@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+# The one place the version is written: pyproject.toml reads it (setuptools dynamic version).
+__version__ = "0.2.0"
 
 from vllm_mamba_fix.counters import stats
 from vllm_mamba_fix.plugin import register, unregister
