@@ -49,7 +49,7 @@ def test_summary_line_when_the_process_exits() -> None:
     summary = [line for line in output.splitlines() if "this process prevented" in line]
     assert len(summary) == 1, output[-3000:]
     assert (
-        f"prevented {collapses} collapses, re-aligned {realigned} chunks and stopped "
+        f"prevented {collapses} collapses, re-aligned {realigned} chunks, stopped "
         f"{stopped} chunks at an encoder input" in summary[0]
     )
     assert int(collapses) + int(realigned) + int(stopped) > 0

@@ -116,7 +116,7 @@ def encoder_cut_shift(scheduler: Any) -> int:
     lookahead = getattr(scheduler, "num_prefill_lookahead", None)
     if lookahead is not None:
         return int(lookahead)
-    return 1 if scheduler.use_eagle else 0
+    return 1 if getattr(scheduler, "use_eagle", False) else 0
 
 
 def has_known_parameters(method: Callable[..., int]) -> bool:

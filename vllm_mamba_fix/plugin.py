@@ -96,11 +96,11 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
             if not decided.rules:
                 _say_once(
                     logging.INFO,
-                    f"not needed on vLLM {version}: {decided.describe(active=False)}; "
+                    f"not needed on vLLM {version}: {decided.describe()}; "
                     "leaving the scheduler untouched",
                 )
                 return
-            installed = _install(scheduler_cls, decided, settings, family)
+            installed, rules = _install(scheduler_cls, decided, settings, family)
             if not installed:
                 return
             _patched.append(scheduler_cls)
@@ -109,7 +109,7 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                 "vllm-mamba-fix %s active: patched %s; %s (vLLM %s, family %s, scope %s, pid %d)",
                 __version__,
                 " and ".join(f"Scheduler.{name}" for name in installed),
-                decided.describe(active=True),
+                decided.describe(rules),
                 version,
                 family.name,
                 settings.scope.value,
@@ -126,11 +126,15 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
 
 def _install(
     scheduler_cls: type, decided: Plan, settings: Settings, family: Family
-) -> tuple[str, ...]:
-    """Wrap what the plan asks for; a method whose shape is unexpected is left stock."""
+) -> tuple[tuple[str, ...], frozenset[Rule]]:
+    """Wrap what the plan asks for; a method whose shape is unexpected is left stock.
+
+    Returns the wrapped methods and the rules they carry.
+    """
     policy = ScopePolicy(settings.scope)
     policy.load()  # here, not in the first scheduling step that needs it
     installed: list[str] = []
+    rules: set[Rule] = set()
     if Rule.SPLIT in decided.rules:
         problem = patch.check_target(scheduler_cls, patch.METHOD_NAME)
         if problem is not None:
@@ -140,12 +144,13 @@ def _install(
             gate = family.prefill_gate or PrefillGate.BEFORE_PREFILL_END
             patch.wrap(scheduler_cls, patch.WrapOptions(gate, policy))
             installed.append(patch.METHOD_NAME)
+            rules.add(Rule.SPLIT)
     encoder_rules = decided.rules & {Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG}
     if encoder_rules:
         problem = patch.check_target(scheduler_cls, patch.ENCODER_METHOD_NAME)
         if problem is not None:
-            names = " and ".join(rule.value for rule in sorted(encoder_rules, key=str))
-            _say_once(logging.WARNING, f"not installing the {names} rule: {problem}")
+            names = " and ".join(sorted(rule.value for rule in encoder_rules))
+            _say_once(logging.WARNING, f"not installing {names}: {problem}")
         else:
             options = patch.EncoderOptions(
                 policy,
@@ -154,7 +159,8 @@ def _install(
             )
             patch.wrap_encoder(scheduler_cls, options)
             installed.append(patch.ENCODER_METHOD_NAME)
-    return tuple(installed)
+            rules |= encoder_rules
+    return tuple(installed), frozenset(rules)
 
 
 def _warn_override(subclass: type, installed: tuple[str, ...]) -> None:

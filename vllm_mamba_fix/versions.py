@@ -166,9 +166,12 @@ class Plan:
     def verdict(self, rule: Rule) -> RuleVerdict:
         return next(v for v in self.verdicts if v.rule is rule)
 
-    def describe(self, active: bool) -> str:
-        chosen = [v for v in self.verdicts if v.active is active]
-        return "; ".join(f"{v.rule.value} rule [{v.basis}: {v.reason}]" for v in chosen)
+    def describe(self, rules: frozenset[Rule] | None = None) -> str:
+        """The verdicts on ``rules`` (default: the inactive ones), for a log line."""
+        chosen = [
+            v for v in self.verdicts if (v.rule in rules if rules is not None else not v.active)
+        ]
+        return "; ".join(f"{v.rule.value} [{v.basis}: {v.reason}]" for v in chosen)
 
 
 def _split_verdict(force: bool, family: Family, evidence: Evidence) -> RuleVerdict:

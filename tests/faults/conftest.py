@@ -41,9 +41,43 @@ class SchedulerInterface:
     pass
 
 
+class EncoderCacheManager:
+    cache_size = 1000
+    num_free_slots = 0
+
+    def get_cached_input_ids(self, request):
+        return set()
+
+
 class Scheduler(SchedulerInterface):
     def __init__(self, block_size=128):
         self.cache_config = SimpleNamespace(block_size=block_size)
+        self.use_eagle = False
+        self.encoder_cache_manager = EncoderCacheManager()
+        self.encoder_blocked = False  # tests set it: no encoder input fits
+
+    def schedule(self):
+        # The order that deadlocks (0.15-0.27): encoder budgeting, then the split.
+        for request in ():
+            n = self._try_schedule_encoder_inputs(request, 0, 1, 1, shift_computed_tokens=0)[1]
+            self._mamba_block_aligned_split(request, n)
+
+    def _free_encoder_inputs(self, request):
+        # Deferred by the drafter's look-ahead, as 0.24-0.32 do.
+        spec_lookahead = 1 if self.use_eagle else 0
+        return spec_lookahead
+
+    def _try_schedule_encoder_inputs(
+        self,
+        request,
+        num_computed_tokens,
+        num_new_tokens,
+        encoder_compute_budget,
+        shift_computed_tokens=0,
+    ):
+        if self.encoder_blocked:
+            return [], 0, encoder_compute_budget, []
+        return [], num_new_tokens, encoder_compute_budget, []
 
     def _mamba_block_aligned_split(
         self,
@@ -55,6 +89,23 @@ class Scheduler(SchedulerInterface):
         block_size = self.cache_config.block_size
         return num_new_tokens // block_size * block_size
 """
+
+
+# The same scheduler with upstream's fixes (0.33): split before encoder
+# budgeting, and encoder inputs freed without a look-ahead delay.
+FIXED_SCHEDULER = (
+    STOCK_SCHEDULER.replace(
+        """        for request in ():
+            n = self._try_schedule_encoder_inputs(request, 0, 1, 1, shift_computed_tokens=0)[1]
+            self._mamba_block_aligned_split(request, n)""",
+        """        for request in ():
+            n = self._mamba_block_aligned_split(request, 1)
+            self._try_schedule_encoder_inputs(request, 0, n, 1, shift_computed_tokens=0)""",
+    )
+    .replace("spec_lookahead = 1 if self.use_eagle else 0", "delay = 0")
+    .replace("return spec_lookahead", "return delay")
+)
+assert "n = self._mamba" in FIXED_SCHEDULER and "spec_lookahead =" not in FIXED_SCHEDULER
 
 
 class FakeRequest:

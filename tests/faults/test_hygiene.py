@@ -17,7 +17,7 @@ from tests.faults.conftest import BLOCK, FakeRequest, FakeVllm, LogCapture
 from vllm_mamba_fix import register, unregister
 
 FakeFactory = Callable[..., FakeVllm]
-OWN_VARIABLES = {"VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE"}
+OWN_VARIABLES = {"VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_MAMBA_FIX_STALL_SECONDS"}
 # Modules allowed to touch the environment: configuration, and the doctor's report.
 ENV_MODULES = {"config.py", "doctor.py"}
 
@@ -71,9 +71,12 @@ def test_reads_only_its_own_variables(
     register()
     register()
     scheduler = scheduler_cls(BLOCK)
-    # Corrections: a collapse (first one loads the scope hooks), a text request in scope 'all'.
+    # Corrections: a collapse (first one loads the scope hooks), a text request in scope 'all'
+    # (corrected once its 0 repeats at the same position).
     assert scheduler._mamba_block_aligned_split(FakeRequest(), 100) == 100
-    assert scheduler._mamba_block_aligned_split(FakeRequest(has_encoder_inputs=False), 50) == 50
+    text = FakeRequest("text", has_encoder_inputs=False)
+    assert scheduler._mamba_block_aligned_split(text, 50) == 0
+    assert scheduler._mamba_block_aligned_split(text, 50) == 50
     assert scheduler._mamba_block_aligned_split(Exception(), 100) == 0  # failure path
     unregister()
 

@@ -16,6 +16,7 @@ import pytest
 
 from tests.faults.conftest import (
     BLOCK,
+    FIXED_SCHEDULER,
     METHOD,
     FakeRequest,
     FakeVllm,
@@ -160,10 +161,17 @@ UNPATCHABLE = {
 @pytest.mark.parametrize("deferred", [False, True], ids=["imported-first", "imported-later"])
 @pytest.mark.parametrize("case", sorted(UNPATCHABLE))
 def test_unpatchable_target_is_left_alone(
-    case: str, deferred: bool, logs: LogCapture, fake_vllm: FakeFactory
+    case: str,
+    deferred: bool,
+    logs: LogCapture,
+    fake_vllm: FakeFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The split alone: no encoder rule on 0.23 with the watchdog off (the
+    # encoder method's own faults: test_encoder_rule_faults.py).
+    monkeypatch.setenv("VLLM_MAMBA_FIX_STALL_SECONDS", "off")
     source, needles = UNPATCHABLE[case]
-    fake = fake_vllm(scheduler=source)
+    fake = fake_vllm(version="0.23.0", scheduler=source)
     if deferred:
         register()
         module = fake.import_module()
@@ -336,7 +344,7 @@ def test_dev_and_local_versions_judged_by_release(
 def test_unaffected_versions_are_left_alone(
     version: str, needle: str, logs: LogCapture, fake_vllm: FakeFactory
 ) -> None:
-    fake = fake_vllm(version=version)
+    fake = fake_vllm(version=version, scheduler=FIXED_SCHEDULER)
     scheduler = fake.import_scheduler()
     register()
     logs.assert_no_traceback()

@@ -149,7 +149,11 @@ def test_writes_no_files_opens_no_sockets(real_vllm_probe: ProbeRun) -> None:
 
 def test_reads_only_its_own_variables_in_real_vllm(real_vllm_probe: ProbeRun) -> None:
     hygiene = real_vllm_probe.results()["hygiene"]
-    assert set(hygiene["env_read"]) == {"VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE"}
+    assert set(hygiene["env_read"]) == {
+        "VLLM_MAMBA_FIX",
+        "VLLM_MAMBA_FIX_SCOPE",
+        "VLLM_MAMBA_FIX_STALL_SECONDS",
+    }
 
 
 def test_real_requests_leave_no_prompt_content_in_logs(real_vllm_probe: ProbeRun) -> None:

@@ -55,3 +55,30 @@ def test_invalid_values_fall_back_with_one_problem_each() -> None:
 def test_vllm_plugins_follows_vllms_rule(raw: str | None, allowed: bool) -> None:
     env = {} if raw is None else {"VLLM_PLUGINS": raw}
     assert vllm_plugins_allows(env) is allowed
+
+
+@pytest.mark.parametrize(
+    ("raw", "seconds", "problem"),
+    [
+        (None, 30.0, False),
+        ("", 30.0, False),
+        ("45", 45.0, False),
+        ("0.5", 0.5, False),
+        ("0", 0.0, False),
+        ("OFF", None, False),
+        ("-1", 30.0, True),
+        ("soon", 30.0, True),
+        ("nan", 30.0, True),
+        ("inf", 30.0, True),
+    ],
+)
+def test_stall_seconds(raw: str | None, seconds: float | None, problem: bool) -> None:
+    env = {} if raw is None else {"VLLM_MAMBA_FIX_STALL_SECONDS": raw}
+    settings = load_settings(env)
+    assert settings.stall_seconds == seconds
+    assert bool(settings.problems) == problem
+    if problem:
+        assert (
+            "VLLM_MAMBA_FIX_STALL_SECONDS" in settings.problems[0]
+            and "'off'" in settings.problems[0]
+        )

@@ -10,33 +10,33 @@ from vllm_mamba_fix.evidence import (
     split_after_encoder,
 )
 
-ENCODER_FIRST = '''
+ENCODER_FIRST = """
     def schedule(self):
         for request in self.running:
             n = self._try_schedule_encoder_inputs(request, 0, 10, 5, shift_computed_tokens=1)[1]
             n = self._mamba_block_aligned_split(request, n)
-'''
-SPLIT_FIRST = '''
+"""
+SPLIT_FIRST = """
     def schedule(self):
         for request in self.running:
             n = self._mamba_block_aligned_split(request, 10)
             # self._try_schedule_encoder_inputs( in a comment does not count
             n = self._try_schedule_encoder_inputs(request, 0, n, 5)[1]
-'''
-DEFERRED = '''
+"""
+DEFERRED = """
 def _free_encoder_inputs(self, request):
     spec_lookahead = 1 if self.use_eagle else 0
     for i in list(self.encoder_cache_manager.get_cached_input_ids(request)):
         if end + spec_lookahead <= request.num_computed_tokens:
             self.encoder_cache_manager.free_encoder_input(request, i)
-'''
-IMMEDIATE = '''
+"""
+IMMEDIATE = """
 def _free_encoder_inputs(self, request):
     # The drafter only reads ahead of num_computed_tokens (no lookahead delay).
     for i in list(self.encoder_cache_manager.get_cached_input_ids(request)):
         if end <= request.num_computed_tokens:
             self._free_encoder_input(request, i)
-'''
+"""
 
 
 @pytest.mark.parametrize(

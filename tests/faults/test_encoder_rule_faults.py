@@ -1,0 +1,178 @@
+"""The encoder-input wrapper and the code-evidence policy under faults (fake vLLM tree).
+
+The speculative-stall rule and the watchdog live on
+``Scheduler._try_schedule_encoder_inputs``: an unexpected shape leaves that
+method stock with one line, the wrapper never raises into vLLM, and the code
+of the scheduler, not only its version, decides what is patched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
+
+import vllm_mamba_fix
+from tests.faults.conftest import (
+    FIXED_SCHEDULER,
+    STOCK_SCHEDULER,
+    FakeRequest,
+    FakeVllm,
+    LogCapture,
+)
+from vllm_mamba_fix import patch, register
+
+FakeFactory = Callable[..., FakeVllm]
+ENCODER = patch.ENCODER_METHOD_NAME
+GOOD_ENCODER = """    def _try_schedule_encoder_inputs(
+        self,
+        request,
+        num_computed_tokens,
+        num_new_tokens,
+        encoder_compute_budget,
+        shift_computed_tokens=0,
+    ):"""
+BAD_ENCODER = STOCK_SCHEDULER.replace(
+    GOOD_ENCODER,
+    "    def _try_schedule_encoder_inputs(self, request, computed, n, budget, shift=0):",
+)
+assert BAD_ENCODER != STOCK_SCHEDULER
+
+
+def _image_request(rid: str = "img") -> FakeRequest:
+    request = FakeRequest(rid, num_computed_tokens=300)
+    position = SimpleNamespace(offset=320, length=2000)
+    request.mm_features = [SimpleNamespace(mm_position=position)]
+    return request
+
+
+def test_unexpected_encoder_signature_leaves_that_method_stock(
+    logs: LogCapture, fake_vllm: FakeFactory
+) -> None:
+    module = fake_vllm(scheduler=BAD_ENCODER).import_module()
+    register()
+    logs.assert_no_traceback()
+    (warning,) = logs.warnings
+    assert "not installing speculative-stall and stall-watchdog" in warning
+    assert "unexpected signature" in warning and "computed, n, budget, shift" in warning
+    (active,) = [line for line in logs.visible if " active: " in line]
+    assert "patched Scheduler._mamba_block_aligned_split;" in active and ENCODER not in active
+    assert not patch.is_wrapped(module.Scheduler, ENCODER)
+    assert patch.is_wrapped(module.Scheduler)
+
+
+def test_encoder_wrapper_never_raises_and_keeps_vllms_result(
+    monkeypatch: pytest.MonkeyPatch, logs: LogCapture, fake_vllm: FakeFactory
+) -> None:
+    monkeypatch.setenv("VLLM_MAMBA_FIX_STALL_SECONDS", "0")
+    scheduler = fake_vllm().import_scheduler()
+    register()
+    assert patch.is_wrapped(scheduler, ENCODER)
+    instance = scheduler()
+    instance.encoder_blocked = True
+    logs.clear()
+    broken = FakeRequest()
+    broken.mm_features = None  # type: ignore[assignment]  # malformed: the wrapper's read fails
+    for _ in range(3):
+        assert instance._try_schedule_encoder_inputs(broken, 0, 64, 10) == ([], 0, 10, [])
+    logs.assert_no_traceback()
+    (warning,) = logs.warnings
+    assert "the encoder-input check failed" in warning and "using vLLM's result" in warning
+
+
+class VllmOwnError(RuntimeError):
+    pass
+
+
+def test_vllms_own_error_in_the_encoder_method_propagates(fake_vllm: FakeFactory) -> None:
+    scheduler = fake_vllm().import_scheduler()
+    register()
+    instance = scheduler()
+    error = VllmOwnError("vLLM-internal")
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise error
+
+    original = scheduler.__dict__[ENCODER].__wrapped__
+    instance.encoder_cache_manager = None  # unused: the original raises first
+    patch.unwrap(scheduler)
+    setattr(scheduler, ENCODER, boom)
+    try:
+        options = patch.EncoderOptions(
+            patch.ScopePolicy(vllm_mamba_fix.config.Scope.MULTIMODAL), True, 0.0
+        )
+        patch.wrap_encoder(scheduler, options)
+        with pytest.raises(VllmOwnError) as excinfo:
+            instance._try_schedule_encoder_inputs(_image_request(), 300, 64, 10)
+        assert excinfo.value is error
+    finally:
+        patch.unwrap(scheduler)
+        setattr(scheduler, ENCODER, original)
+
+
+def test_watchdog_names_a_stall_once_and_says_when_it_moves(
+    monkeypatch: pytest.MonkeyPatch, logs: LogCapture, fake_vllm: FakeFactory
+) -> None:
+    monkeypatch.setenv("VLLM_MAMBA_FIX_STALL_SECONDS", "0")
+    scheduler = fake_vllm(version="0.23.0").import_scheduler()
+    register()
+    instance = scheduler()
+    instance.encoder_blocked = True
+    request = _image_request()
+    before = vllm_mamba_fix.stats()
+    logs.clear()
+    for _ in range(5):
+        assert instance._try_schedule_encoder_inputs(request, 300, 64, 10)[1] == 0
+    (warning,) = logs.warnings
+    for needle in (
+        "request img stalled at token 300 of 1000",
+        "0 tokens on 3 consecutive steps",
+        "waits for [320, 2320) (2000 encoder tokens)",
+        "encoder cache 1000 tokens",
+        "likely cause: the encoder input it waits for is larger than the encoder cache",
+        "remedy: raise --max-num-batched-tokens",
+    ):
+        assert needle in warning, (needle, warning)
+    instance.encoder_blocked = False
+    assert instance._try_schedule_encoder_inputs(request, 300, 64, 10)[1] == 64
+    assert any("request img moves again (was stalled at token 300)" in m for m in logs.visible)
+    after = vllm_mamba_fix.stats()
+    assert after["stalls_detected"] - before["stalls_detected"] == 1
+    assert after["stalls_resolved"] - before["stalls_resolved"] == 1
+
+
+def test_watchdog_off_says_nothing(
+    monkeypatch: pytest.MonkeyPatch, logs: LogCapture, fake_vllm: FakeFactory
+) -> None:
+    monkeypatch.setenv("VLLM_MAMBA_FIX_STALL_SECONDS", "off")
+    scheduler = fake_vllm(version="0.23.0").import_scheduler()
+    register()
+    assert not patch.is_wrapped(scheduler, ENCODER)  # nothing else needs that method on 0.23
+    logs.clear()
+    instance = scheduler()
+    instance.encoder_blocked = True
+    for _ in range(5):
+        instance._try_schedule_encoder_inputs(_image_request(), 300, 64, 10)
+    assert logs.warnings == []
+
+
+def test_code_evidence_patches_a_pre_fix_dev_build(
+    logs: LogCapture, fake_vllm: FakeFactory
+) -> None:
+    scheduler = fake_vllm(version="0.28.0.dev3", scheduler=STOCK_SCHEDULER).import_scheduler()
+    register()
+    assert patch.is_wrapped(scheduler)
+    (active,) = [line for line in logs.visible if " active: " in line]
+    assert "split [code: Scheduler.schedule budgets encoder inputs before the split" in active
+    assert "pre-fix build" in active
+
+
+def test_code_evidence_leaves_a_backport_alone(logs: LogCapture, fake_vllm: FakeFactory) -> None:
+    scheduler = fake_vllm(version="0.27.1", scheduler=FIXED_SCHEDULER).import_scheduler()
+    register()
+    assert not patch.is_wrapped(scheduler) and not patch.is_wrapped(scheduler, ENCODER)
+    logs.assert_no_traceback()
+    (line,) = logs.visible
+    assert "not needed on vLLM 0.27.1" in line and "untouched" in line
+    assert "splits before encoder budgeting" in line and "backport" in line
