@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +36,13 @@ from tools.tiny_model import build, demo_images, shim_env, two_image_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 RESULT_TAG = "DEMO-RESULT "
+# One of the plugin's own log lines in vLLM's format, e.g.
+# "(EngineCore pid=12) INFO 12-01 10:06:26 [plugin.py:108] vllm-mamba-fix 0.2.0 active: ...".
+# Config dumps that merely mention a path with "vllm-mamba-fix" in it do not match.
+PLUGIN_LINE = re.compile(
+    r"^(?:\((?P<proc>\w+) pid=(?P<pid>\d+)\) )?(?:DEBUG|INFO|WARNING|ERROR) \S+ \S+ \[[^\]]+\] "
+    r"(?P<msg>vllm-mamba-fix(?: \d|:).*)$"
+)
 DEFAULT_MODEL_DIR = os.environ.get(
     "VLLM_MAMBA_FIX_TINY_DIR",
     str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-mamba-fix/tiny"),
@@ -247,6 +255,17 @@ def run(
     )
 
 
+def plugin_lines(log_text: str) -> list[str]:
+    """The plugin's own lines from a vLLM log, as "<process>: <message>"."""
+    lines = []
+    for raw in log_text.splitlines():
+        match = PLUGIN_LINE.match(raw.strip())
+        if match:
+            proc = match["proc"] or "front end"
+            lines.append(f"{proc}: {match['msg']}")
+    return lines
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """Kill the worker's process group (it includes vLLM's engine core)."""
     if proc.poll() is None:
@@ -314,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-seconds", type=float, default=8.0)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--verbose", action="store_true", help="echo vLLM's log")
+    parser.add_argument(
+        "--workdir", help="where vLLM's log (worker.log) and the probe go (default: a new temp dir)"
+    )
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(args.worker)
@@ -325,17 +347,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tiny model: {model_dir} (ready in {time.monotonic() - t0:.1f} s)")
     print(f"VLLM_MAMBA_FIX={mode}; engine: {json.dumps(ENGINE_DEFAULTS)}")
     print("request: 2 images x 256 tokens at prompt positions [1,257) and [259,515)")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="mamba-fix-demo-"))
+    print(f"vLLM's log: {work / 'worker.log'}", flush=True)
     outcome = run(
         model_dir,
         [Phase("demo", max_tokens=args.max_tokens)],
         stall_steps=args.stall_steps,
         stall_seconds=args.stall_seconds,
         timeout_s=args.timeout,
+        workdir=work,
         echo=args.verbose,
     )
-    active = [ln for ln in outcome.log_text.splitlines() if "vllm-mamba-fix" in ln]
-    for line in active:
-        print(f"  log: {line.strip()}")
+    for line in plugin_lines(outcome.log_text):
+        print(f"  plugin, {line}")
     if outcome.status == "completed" and outcome.results:
         res = outcome.results[0]
         print(f"output tokens: {res['token_ids']} = {res['text']!r}")
@@ -347,11 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"VERDICT: HUNG - {outcome.evidence}; engine killed after {outcome.elapsed_s:.1f} s")
     else:
         print(outcome.log_text[-4000:])
-        print(f"VERDICT: FAILED - {outcome.evidence}")
+        print(f"VERDICT: FAILED - {outcome.evidence} (vLLM's log: {work / 'worker.log'})")
         return 2
     ok = (outcome.status == "hung") == expect_hang
     if not ok:
-        print("(unexpected for this mode)")
+        print("\n".join(outcome.log_text.splitlines()[-40:]))
+        print(f"(unexpected for this mode; vLLM's log: {work / 'worker.log'})")
     return 0 if ok else 1
 
 
