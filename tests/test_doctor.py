@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +22,24 @@ from typing import Any
 import pytest
 
 from tools.releases import installed_release
-from vllm_mamba_fix.versions import Verdict, family_for
+from vllm_mamba_fix.doctor import (
+    FALLBACK_METHODS,
+    SpeculativeMethods,
+    classify_speculative,
+)
+from vllm_mamba_fix.evidence import Evidence
+from vllm_mamba_fix.versions import Mode, Rule, Verdict, family_for, plan
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "vllm_mamba_fix"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("vllm-mamba-fix")
 TIMEOUT = 600  # seconds; the real runs import vLLM and may share a busy machine
-OUR_ENV = ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS", "PYTHONPATH")
+OUR_ENV = (
+    "VLLM_MAMBA_FIX",
+    "VLLM_MAMBA_FIX_SCOPE",
+    "VLLM_MAMBA_FIX_STALL_SECONDS",
+    "VLLM_PLUGINS",
+    "PYTHONPATH",
+)
 
 
 @dataclass(frozen=True)
@@ -71,9 +82,22 @@ class OverridingScheduler(AsyncScheduler):
         return num_new_tokens
 
 
+class EncoderOverridingScheduler(AsyncScheduler):
+    def _try_schedule_encoder_inputs(self, *args, **kwargs):
+        return super()._try_schedule_encoder_inputs(*args, **kwargs)
+
+
 class InheritingScheduler(AsyncScheduler):
     pass
 """
+MTP = '{"method": "qwen3_5_mtp", "num_speculative_tokens": 2}'
+
+
+def _needed_by_version(vllm_version: str) -> list[str]:
+    """The fix rules the version alone asks for (the real releases' code agrees)."""
+    by_version = plan(Mode.AUTO, family_for(vllm_version), Evidence(), 30.0)
+    fixes = (Rule.SPLIT, Rule.SPECULATIVE_STALL)
+    return [v.rule.value for v in by_version.verdicts if v.rule in fixes and v.active]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +113,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         "off": (_doctor("--json"), {"VLLM_MAMBA_FIX": "0"}),
         # Two faults in one run: the plugin list, and an invalid value of ours.
         "plugins": (
-            _doctor(),
+            _doctor("--speculative-config", MTP),
             {
                 "VLLM_PLUGINS": "lora_filesystem_resolver, mamba_fix",
                 "VLLM_MAMBA_FIX_SCOPE": "images-only",
@@ -100,6 +124,8 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
                 "--json",
                 "--scheduler-cls",
                 "doctor_test_sched.OverridingScheduler",
+                "--scheduler-cls",
+                "doctor_test_sched.EncoderOverridingScheduler",
                 "--scheduler-cls",
                 "doctor_test_sched.InheritingScheduler",
             ),
@@ -130,14 +156,43 @@ def test_default_is_protected_and_json_has_the_fields(real: dict[str, Run]) -> N
         True,
         True,
     )
-    assert "affected" in data["policy"]["reason"]
+    assert policy["needed_rules"] == _needed_by_version(_VLLM)
     assert (
         data["entry_point"]["found"] and data["entry_point"]["value"] == "vllm_mamba_fix:register"
     )
     assert data["vllm_plugins"] == {"value": None, "allows": True}
     assert data["settings"]["mode"] == "auto" and data["settings"]["problems"] == []
+    assert data["settings"]["stall_seconds"] == 30.0
     assert data["problems"] == []
     assert isinstance(data["elapsed_seconds"], float)
+
+
+@needs_affected_vllm
+def test_both_evidences_are_shown_and_the_code_decides(real: dict[str, Run]) -> None:
+    data = real["json"].json()
+    evidence = data["evidence"]
+    assert evidence["read_from"] == "vllm.v1.core.sched.scheduler.Scheduler"
+    assert evidence["split_after_encoder"] is True  # every affected release: the matrix agrees
+    rules = {r["rule"]: r for r in data["rules"]}
+    assert list(rules) == ["split", "speculative-stall", "stall-watchdog"]
+    split = rules["split"]
+    assert split["version"]["active"] is split["code"]["active"] is True
+    assert (split["decided_by"], split["active"], split["installs"]) == ("code", True, True)
+    speculative = rules["speculative-stall"]
+    assert speculative["active"] is ("speculative-stall" in _needed_by_version(_VLLM))
+    assert speculative["version"]["active"] is speculative["active"]
+    watchdog = rules["stall-watchdog"]
+    assert (watchdog["decided_by"], watchdog["active"], watchdog["needed"]) == (
+        "setting",
+        True,
+        None,
+    )
+    # Before the engine starts, the speculative set-up is invisible; the list is the release's.
+    spec = data["speculative"]
+    assert spec["visible"] is False and spec["eagle_type"] is None
+    assert spec["eagle_methods_from"] == "vllm.config.speculative (use_eagle)"
+    if _VLLM == "0.27.1":
+        assert spec["eagle_methods"] == list(FALLBACK_METHODS.eagle)
 
 
 @needs_affected_vllm
@@ -146,11 +201,14 @@ def test_default_dry_run_patches_through_the_import_hook_and_undoes(real: dict[s
     dry = data["dry_run"]
     assert dry["ran"] and not dry["forced"]
     assert dry["patched"] and dry["restored"] and dry["via"] == "import hook"
-    assert any(" active: patched Scheduler._mamba_block_aligned_split" in m for m in dry["log"])
+    assert dry["wrapped_methods"] == ["_mamba_block_aligned_split", "_try_schedule_encoder_inputs"]
+    active = "active: patched Scheduler._mamba_block_aligned_split and "
+    assert any(active + "Scheduler._try_schedule_encoder_inputs" in m for m in dry["log"])
     by_class = {s["class"].rsplit(".", 1)[1]: s for s in data["schedulers"]}
     for name in ("Scheduler", "AsyncScheduler"):
         assert by_class[name]["reached"] is True
         assert by_class[name]["overridden_by"] is None
+        assert all(m["reached"] for m in by_class[name]["methods"].values())
 
 
 @needs_affected_vllm
@@ -161,7 +219,10 @@ def test_console_script_defaults_to_doctor_with_human_output(real: dict[str, Run
     assert run.code == 0, run.err
     assert "needed, will patch" in run.out
     assert "result: PROTECTED" in run.out
-    assert "wrapper verified; undone" in run.out
+    assert "wrappers verified; undone" in run.out
+    assert "version (family " in run.out and "; code: needed" in run.out
+    assert "speculative       decided by the engine at start, not visible yet" in run.out
+    assert "stall watchdog after 30 s" in run.out
     assert "Traceback" not in run.out + run.err
     assert "Triton" not in run.out  # vLLM's own log lines go to stderr
 
@@ -175,8 +236,11 @@ def test_disabled_on_affected_release_is_not_protected(real: dict[str, Run]) -> 
     assert data["policy"]["verdict"] == "needed-will-not-patch"
     assert any("disabled by VLLM_MAMBA_FIX='0'" in p for p in data["problems"])
     assert "VLLM_MAMBA_FIX" in data["summary"]
-    # The forced dry run still shows that enabling it would work.
+    # A dry run with VLLM_MAMBA_FIX=auto still shows that enabling it would work.
     assert data["dry_run"]["forced"] and data["dry_run"]["patched"]
+    assert data["dry_run"]["mode"] == "auto"
+    assert not any(r["active"] for r in data["rules"])
+    assert {r["decided_by"] for r in data["rules"]} == {"setting"}
 
 
 @needs_affected_vllm
@@ -186,6 +250,8 @@ def test_vllm_plugins_without_us_is_not_protected(real: dict[str, Run]) -> None:
     assert "result: NOT PROTECTED" in run.out
     assert "does not list 'mamba_fix'" in run.out
     assert "vLLM does not strip spaces" in run.out  # " mamba_fix" is not "mamba_fix"
+    # The same run passed an MTP --speculative-config.
+    assert "method mtp ('qwen3_5_mtp' is an MTP model type" in run.out
 
 
 @needs_affected_vllm
@@ -209,15 +275,58 @@ def test_custom_scheduler_that_overrides_is_named(real: dict[str, Run]) -> None:
     assert good["reached"] is True and good["overridden_by"] is None
     assert any("doctor_test_sched.OverridingScheduler" in p for p in data["problems"])
     assert not any("InheritingScheduler" in p for p in data["problems"])
+    # Overriding the encoder method escapes the encoder rules (the split still reaches it).
+    encoder = by_class["doctor_test_sched.EncoderOverridingScheduler"]
+    methods = encoder["methods"]
+    assert methods["_mamba_block_aligned_split"] == {"overridden_by": None, "reached": True}
+    assert methods["_try_schedule_encoder_inputs"]["overridden_by"] == (
+        "doctor_test_sched.EncoderOverridingScheduler"
+    )
+    named = [p for p in data["problems"] if "EncoderOverridingScheduler" in p]
+    if "speculative-stall" in _needed_by_version(_VLLM):
+        assert named and "speculative-stall and stall-watchdog do not reach it" in named[0]
+    else:  # only the watchdog is lost: a warning
+        assert not named
 
 
 # --- fake vLLM -----------------------------------------------------------------------
 
 SPLIT_OK = "self, request, num_new_tokens, num_new_local_computed_tokens=0"
 SPLIT_CHANGED = "self, req, tokens"
+ENCODER_OK = (
+    "self, request, num_computed_tokens, num_new_tokens, encoder_compute_budget, "
+    "shift_computed_tokens=0"
+)
+ENCODER_CHANGED = "self, request, num_computed_tokens, num_new_tokens"
+# Code evidence as the releases write it: a pre-fix build (encoder budgeted
+# before the split; the free deferred by the look-ahead), and a backport of
+# both upstream fixes. Without either, the fake has no code to read.
+PRE_FIX_CODE = """
+    def schedule(self):
+        n = self._try_schedule_encoder_inputs(None, 0, 8, 8, shift_computed_tokens=1)[1]
+        return self._mamba_block_aligned_split(None, n)
+
+    def _free_encoder_inputs(self, request):
+        spec_lookahead = 1 if self.use_eagle else 0
+        return spec_lookahead
+"""
+BACKPORT_CODE = """
+    def schedule(self):
+        n = self._mamba_block_aligned_split(None, 8)
+        return self._try_schedule_encoder_inputs(None, 0, n, 8)[1]
+
+    def _free_encoder_inputs(self, request):
+        return request
+"""
 
 
-def _fake_vllm(root: Path, vllm_version: str, signature: str = SPLIT_OK) -> Path:
+def _fake_vllm(
+    root: Path,
+    vllm_version: str,
+    signature: str = SPLIT_OK,
+    encoder: str = ENCODER_OK,
+    code: str = "",
+) -> Path:
     """A ``vllm`` package with just the scheduler module the doctor imports."""
     sched = root / "vllm" / "v1" / "core" / "sched"
     sched.mkdir(parents=True)
@@ -225,11 +334,9 @@ def _fake_vllm(root: Path, vllm_version: str, signature: str = SPLIT_OK) -> Path
     for pkg in (root / "vllm" / "v1", root / "vllm" / "v1" / "core", sched):
         (pkg / "__init__.py").touch()
     (sched / "scheduler.py").write_text(
-        textwrap.dedent(f"""\
-            class Scheduler:
-                def _mamba_block_aligned_split({signature}):
-                    return 0
-            """)
+        "class Scheduler:\n"
+        f"    def _mamba_block_aligned_split({signature}):\n        return 0\n\n"
+        f"    def _try_schedule_encoder_inputs({encoder}):\n        return None, 0\n{code}"
     )
     (sched / "async_scheduler.py").write_text(
         "from vllm.v1.core.sched.scheduler import Scheduler\n\n\n"
@@ -243,10 +350,55 @@ def _fake_run(tmp_path: Path, vllm_version: str, *args: str, **kwargs: str) -> R
     return _run(_doctor(*args), {"PYTHONPATH": str(site)})
 
 
-def test_fake_affected_release_is_protected(tmp_path: Path) -> None:
-    data = _fake_run(tmp_path, "0.25.1", "--json").json()
-    assert (data["status"], data["exit_code"], data["family"]["name"]) == ("protected", 0, "0.24")
+def _rules(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["rule"]: r for r in data["rules"]}
+
+
+@pytest.mark.parametrize(
+    ("vllm_version", "family", "needed", "wrapped"),
+    [
+        ("0.25.1", "0.24", ["split", "speculative-stall"], 2),
+        # 0.28-0.32: upstream fixed the split, not the speculative stall.
+        ("0.32.0", "0.28", ["speculative-stall"], 1),
+    ],
+)
+def test_fake_affected_release_is_protected(
+    tmp_path: Path, vllm_version: str, family: str, needed: list[str], wrapped: int
+) -> None:
+    data = _fake_run(tmp_path, vllm_version, "--json").json()
+    assert (data["status"], data["exit_code"], data["family"]["name"]) == ("protected", 0, family)
+    assert data["policy"]["needed_rules"] == needed
     assert data["dry_run"]["patched"] and data["dry_run"]["restored"]
+    assert len(data["dry_run"]["wrapped_methods"]) == wrapped
+    # No code to read in the fake: the version decides, and the report says so.
+    assert data["evidence"]["split_after_encoder"] is None and data["evidence"]["problem"]
+    rules = _rules(data)
+    assert [rules[r]["decided_by"] for r in needed] == ["version"] * len(needed)
+    assert all(rules[r]["code"]["active"] is None for r in rules)
+    assert rules["stall-watchdog"]["active"] and rules["stall-watchdog"]["installs"]
+
+
+def test_code_evidence_patches_a_pre_fix_dev_build(tmp_path: Path) -> None:
+    run = _fake_run(tmp_path, "0.28.0.dev3", code=PRE_FIX_CODE)
+    assert run.code == 0, run.err
+    assert "result: PROTECTED" in run.out
+    assert "needs split (by code) and speculative-stall (by code)" in run.out
+    assert "Scheduler.schedule budgets encoder inputs before the split;" in run.out
+    assert "the version alone would have left it (a pre-fix build)" in run.out
+    assert "version (family 0.28): not needed; code: needed" in run.out
+
+
+def test_code_evidence_leaves_a_backport_alone(tmp_path: Path) -> None:
+    data = _fake_run(tmp_path, "0.27.1", "--json", code=BACKPORT_CODE).json()
+    assert (data["status"], data["exit_code"]) == ("not-needed", 0)
+    assert data["evidence"]["split_after_encoder"] is False
+    assert data["evidence"]["deferred_encoder_free"] is False
+    rules = _rules(data)
+    for name in ("split", "speculative-stall"):
+        assert rules[name]["version"]["active"] is True and rules[name]["code"]["active"] is False
+        assert (rules[name]["decided_by"], rules[name]["active"]) == ("code", False)
+    assert "the version alone would have patched (a backport)" in data["summary"]
+    assert data["dry_run"]["wrapped_methods"] == []
 
 
 def test_invalid_env_value_alone_keeps_protection(tmp_path: Path) -> None:
@@ -268,9 +420,48 @@ def test_signature_mismatch_is_not_protected(tmp_path: Path) -> None:
     assert "unexpected signature" in run.out
 
 
+def test_encoder_signature_mismatch_loses_the_encoder_rules(tmp_path: Path) -> None:
+    data = _fake_run(tmp_path, "0.32.0", "--json", encoder=ENCODER_CHANGED).json()
+    assert (data["status"], data["exit_code"]) == ("not-protected", 1)
+    (problem,) = data["problems"]
+    assert problem.startswith("speculative-stall would not apply: Scheduler._try_schedule")
+    assert "_try_schedule_encoder_inputs has an unexpected signature" in problem
+    assert "stall-watchdog would not apply" in " ".join(data["warnings"])
+
+
+@pytest.mark.parametrize(
+    ("stall", "seconds", "text", "warned"),
+    [
+        (None, 30.0, "stall watchdog after 30 s", False),
+        ("off", None, "stall watchdog off", False),
+        ("soon", 30.0, "stall watchdog after 30 s", True),  # invalid: warned, default applies
+    ],
+)
+def test_stall_watchdog_setting_is_reported(
+    tmp_path: Path, stall: str | None, seconds: float | None, text: str, warned: bool
+) -> None:
+    site = _fake_vllm(tmp_path / "site", "0.32.0")
+    env = {"PYTHONPATH": str(site)}
+    if stall is not None:
+        env["VLLM_MAMBA_FIX_STALL_SECONDS"] = stall
+    data = _run(_doctor("--json"), env).json()
+    assert (data["status"], data["exit_code"]) == ("protected", 0)
+    assert data["settings"]["stall_seconds"] == seconds
+    assert data["settings"]["env"]["VLLM_MAMBA_FIX_STALL_SECONDS"] == stall
+    watchdog = _rules(data)["stall-watchdog"]
+    assert watchdog["active"] is (seconds is not None)
+    problems = data["settings"]["problems"]
+    assert bool(problems) is warned
+    if warned:
+        assert "VLLM_MAMBA_FIX_STALL_SECONDS='soon' is not a number" in problems[0]
+        assert problems[0] in " ".join(data["warnings"])
+    human = _run(_doctor(), env).out
+    assert f"mode auto, scope multimodal, {text}" in human
+
+
 @pytest.mark.parametrize(
     ("vllm_version", "family", "needle"),
-    [("0.32.0", "0.28+", "not needed on vLLM 0.32.0"), ("0.14.1", "<0.15", "no Scheduler.")],
+    [("0.33.0", "0.33+", "not needed on vLLM 0.33.0"), ("0.14.1", "<0.15", "no Scheduler.")],
 )
 def test_unaffected_release_is_not_needed(
     tmp_path: Path, vllm_version: str, family: str, needle: str
@@ -282,11 +473,22 @@ def test_unaffected_release_is_not_needed(
     assert needle in data["summary"]
 
 
-def test_not_needed_even_when_disabled(tmp_path: Path) -> None:
-    site = _fake_vllm(tmp_path / "site", "0.30.0")
-    run = _run(_doctor(), {"PYTHONPATH": str(site), "VLLM_MAMBA_FIX": "off"})
-    assert run.code == 0, run.err
-    assert "result: NOT NEEDED" in run.out
+@pytest.mark.parametrize(
+    ("vllm_version", "args", "code", "result"),
+    [
+        ("0.33.0", (), 0, "result: NOT NEEDED"),
+        ("0.30.0", (), 1, "result: NOT PROTECTED"),  # the speculative-stall rule is off
+        # ... unless the set-up is not EAGLE-type, so the stall cannot arise.
+        ("0.30.0", ("--speculative-config", '{"method": "ngram"}'), 0, "result: NOT NEEDED"),
+    ],
+)
+def test_disabled_is_fine_only_where_nothing_is_needed(
+    tmp_path: Path, vllm_version: str, args: tuple[str, ...], code: int, result: str
+) -> None:
+    site = _fake_vllm(tmp_path / "site", vllm_version)
+    run = _run(_doctor(*args), {"PYTHONPATH": str(site), "VLLM_MAMBA_FIX": "off"})
+    assert run.code == code, run.out + run.err
+    assert result in run.out
 
 
 def test_unreadable_version_with_force_is_protected(tmp_path: Path) -> None:
@@ -351,7 +553,14 @@ def test_unloadable_scheduler_cls_is_invalid_input(
 
 
 @pytest.mark.parametrize(
-    "args", [("doctor", "--scheduler-cls", "not a path"), ("--bogus",), ("frobnicate",)]
+    "args",
+    [
+        ("doctor", "--scheduler-cls", "not a path"),
+        ("--bogus",),
+        ("frobnicate",),
+        ("doctor", "--speculative-config", "{method: mtp}"),
+        ("doctor", "--speculative-config", '["mtp"]'),
+    ],
 )
 def test_bad_arguments_give_one_line_and_exit_2(args: tuple[str, ...]) -> None:
     run = _run([sys.executable, "-m", "vllm_mamba_fix", *args])
@@ -359,3 +568,64 @@ def test_bad_arguments_give_one_line_and_exit_2(args: tuple[str, ...]) -> None:
     assert run.out == ""
     assert "Traceback" not in run.err
     assert run.err.strip().splitlines()[-1].startswith("vllm-mamba-fix")
+
+
+# --- in-process ----------------------------------------------------------------------
+
+RELEASE_METHODS = SpeculativeMethods(
+    FALLBACK_METHODS.eagle,
+    FALLBACK_METHODS.mtp_aliases,
+    (
+        "ngram",
+        "medusa",
+        "draft_model",
+        "custom_class",
+        "eagle",
+        "eagle3",
+        "mtp",
+        "dflash",
+        "dspark",
+    ),
+    "test",
+)
+
+
+@pytest.mark.parametrize(
+    ("config", "method", "eagle"),
+    [
+        ({"method": "mtp", "num_speculative_tokens": 2}, "mtp", True),
+        ({"method": "qwen3_5_mtp"}, "mtp", True),  # vLLM rewrites *_mtp model types to mtp
+        ({"method": "eagle3", "model": "AngelSlim/Qwen3-8B_eagle3"}, "eagle3", True),
+        ({"method": "dspark"}, "dspark", True),
+        ({"method": "ngram", "prompt_lookup_max": 4}, "ngram", False),
+        ({"method": "medusa", "model": "FasterDecoding/medusa-v1"}, "medusa", False),
+        # No method: vLLM infers it from the draft model's name where it can ...
+        ({"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}, "eagle", True),
+        ({"model": "[ngram]"}, "ngram", False),
+        ({"model": "my_pkg.MyProposer"}, "custom_class", False),
+        # ... and from its config (model_type *_mtp -> mtp) only when the engine starts.
+        ({"model": "Qwen/Qwen3-0.6B"}, None, None),
+    ],
+)
+def test_speculative_config_is_classified_like_vllm(
+    config: dict[str, Any], method: str | None, eagle: bool | None
+) -> None:
+    found = classify_speculative(config, RELEASE_METHODS)
+    assert (found["resolved_method"], found["eagle_type"], found["invalid"]) == (
+        method,
+        eagle,
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [({"num_speculative_tokens": 2}, "neither"), ({"method": "telepathy"}, "not one this vLLM")],
+)
+def test_speculative_config_vllm_would_reject_is_flagged(
+    config: dict[str, Any], needle: str
+) -> None:
+    assert needle in classify_speculative(config, RELEASE_METHODS)["invalid"]
+    # Without the release's own list, an unknown method is not judged.
+    if "method" in config:
+        assert classify_speculative(config, FALLBACK_METHODS)["invalid"] is None
