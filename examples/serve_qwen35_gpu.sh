@@ -9,13 +9,27 @@
 #   ./examples/serve_qwen35_gpu.sh        # then: python examples/openai_two_images_stream.py \
 #                                         #   --model Qwen/Qwen3.5-35B-A3B --image-size 1536
 #   VLLM_MAMBA_FIX=0 ./examples/serve_qwen35_gpu.sh   # stock behaviour, for comparison
+#
+# This is the command line the bug was reported on: TP2, prefix caching and MTP speculative
+# decoding with 2 draft tokens. On GPUs vLLM also turns async scheduling on by default, so the
+# engine core runs AsyncScheduler with use_eagle set (MTP is an EAGLE-type method); the plugin
+# covers that scheduler too (it inherits the patched method). SPEC_CONFIG= (empty) serves without
+# speculative decoding.
 set -euo pipefail
 MODEL="${MODEL:-Qwen/Qwen3.5-35B-A3B}"
-TP="${TP:-2}"   # align-mode block is 1056 tokens at TP1/TP2, 528 at TP4
+TP="${TP:-2}"   # align-mode block (without MTP): 1056 tokens at TP1/TP2, 528 at TP4; MTP can change it
+REPORTED_SPEC='{"method":"qwen3_next_mtp","num_speculative_tokens":2}'
+SPEC_CONFIG="${SPEC_CONFIG-$REPORTED_SPEC}"
+
+spec_args=()
+if [[ -n "$SPEC_CONFIG" ]]; then
+  spec_args=(--speculative-config "$SPEC_CONFIG")
+fi
 
 exec vllm serve "$MODEL" \
   --tensor-parallel-size "$TP" \
   --enable-prefix-caching \
+  "${spec_args[@]}" \
   --mamba-cache-mode align \
   --max-model-len 32768 \
   --limit-mm-per-prompt '{"image": 2, "video": 0}' \

@@ -35,9 +35,15 @@ PIL twin (``image_processing_pil_qwen2_vl``) and binds the real, lazily-torchvis
 everything runs with ``limit_mm_per_prompt={"video": 0}``). It does nothing when torchvision
 imports, so on a normal GPU install it is inert. See ``tools/test_site/e2e_tv_shim.py``.
 
+With ``--mtp-layers 1`` (``build(..., mtp_layers=1)``) the checkpoint also carries a Qwen3.5-style
+multi-token-prediction head (``mtp_num_hidden_layers`` and ``mtp.*`` weights), from which vLLM
+builds its ``Qwen3_5MTP`` drafter for ``speculative_config={"method": "mtp", ...}``. The main
+model's weights do not change.
+
 Usage::
 
-    python -m tools.tiny_model /tmp/tiny-qwen35      # prints the directory
+    python -m tools.tiny_model /tmp/tiny-qwen35                     # prints the directory
+    python -m tools.tiny_model /tmp/tiny-qwen35-mtp --mtp-layers 1  # with an MTP head
 """
 
 from __future__ import annotations
@@ -162,10 +168,11 @@ def _byte_of(ch: str) -> int:
 
 
 def _write_processor_configs(out: Path) -> None:
-    # Hand-written: loading Qwen's processor from a hub is exactly what we avoid.
+    # Hand-written: loading Qwen's processor from a hub is exactly what we avoid. The image and
+    # video processors share Qwen3-VL's normalisation and patch geometry; they differ only in
+    # their type, the pixel cap and the video sampling keys.
     pixels = IMAGE_SIZE * IMAGE_SIZE
-    image_cfg = {
-        "image_processor_type": "Qwen2VLImageProcessor",
+    shared = {
         "processor_class": "Qwen3VLProcessor",
         "do_resize": True,
         "do_rescale": True,
@@ -174,34 +181,29 @@ def _write_processor_configs(out: Path) -> None:
         "rescale_factor": 1 / 255,
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": 32 * 32 * 4, "longest_edge": pixels},
         "patch_size": 16,
         "temporal_patch_size": 2,
         "merge_size": 2,
     }
-    (out / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
+    min_pixels = 32 * 32 * 4
+    image_cfg = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        **shared,
+        "size": {"shortest_edge": min_pixels, "longest_edge": pixels},
+    }
     video_cfg = {
         "video_processor_type": "Qwen3VLVideoProcessor",
-        "processor_class": "Qwen3VLProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "rescale_factor": 1 / 255,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": 32 * 32 * 4, "longest_edge": pixels * 2},
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
+        **shared,
+        "size": {"shortest_edge": min_pixels, "longest_edge": pixels * 2},
         "fps": 2,
         "min_frames": 4,
         "max_frames": 8,
     }
+    (out / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
     (out / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
 
 
-def _config():  # -> transformers.Qwen3_5Config
+def _config(mtp_layers: int = 0):  # -> transformers.Qwen3_5Config
     from transformers import Qwen3_5Config
 
     text = {
@@ -233,6 +235,9 @@ def _config():  # -> transformers.Qwen3_5Config
         "pad_token_id": special_id("<|endoftext|>"),
         "dtype": "float32",
     }
+    if mtp_layers:
+        # vLLM derives its MTP draft model (``Qwen3_5MTP``) from this key of the text config.
+        text["mtp_num_hidden_layers"] = mtp_layers
     vision = {
         "depth": 1,
         "hidden_size": 64,
@@ -291,28 +296,74 @@ def _sharpen(model, seed: int) -> None:  # model: torch.nn.Module
                 module.A_log.copy_(a.log())
 
 
-def build(out_dir: str | os.PathLike[str], seed: int = DEFAULT_SEED, force: bool = False) -> Path:
-    """Build (or reuse) the tiny model in ``out_dir`` and return its path."""
+def _write_mtp_weights(out: Path, layers: int, seed: int) -> None:
+    """Add Qwen3.5-style multi-token-prediction weights (``mtp.*``) to the saved checkpoint.
+
+    transformers' Qwen3.5 has no MTP module (it ignores ``mtp.*`` on load), so the names are
+    those of vLLM's ``Qwen3_5MTP`` loader: ``fc`` over [embedding; hidden], three norms and
+    ``layers`` that are full-attention decoder layers shaped like the model's own (copied from
+    its full-attention layer's shapes, drawn afresh). The draft shares ``lm_head`` and the
+    embedding. Random drafts are mostly rejected, which is fine: greedy speculative decoding
+    emits the target model's tokens whatever the drafter proposes.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    gen = torch.Generator().manual_seed(seed + 1000)
+    prefix = "model.language_model.layers.3."  # the full-attention layer
+    hidden = tensors["model.language_model.norm.weight"].shape[0]
+    mtp = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5}
+    for name in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        mtp[f"mtp.{name}.weight"] = torch.zeros(hidden)  # Gemma-style RMSNorm: scale 1 + w
+    for i in range(layers):
+        for name, ref in tensors.items():
+            if not name.startswith(prefix):
+                continue
+            if ref.dim() < 2:
+                new = torch.zeros_like(ref)
+            else:
+                new = torch.randn(ref.shape, generator=gen) * (1.5 / ref[0].numel() ** 0.5)
+            mtp[f"mtp.layers.{i}.{name[len(prefix) :]}"] = new.to(ref.dtype)
+    save_file({**tensors, **mtp}, str(path), metadata={"format": "pt"})
+
+
+def build(
+    out_dir: str | os.PathLike[str],
+    seed: int = DEFAULT_SEED,
+    force: bool = False,
+    mtp_layers: int = 0,
+) -> Path:
+    """Build (or reuse) the tiny model in ``out_dir`` and return its path.
+
+    ``mtp_layers > 0`` adds a Qwen3.5-style MTP head (``mtp_num_hidden_layers`` in the text
+    config and ``mtp.*`` weights), for ``speculative_config={"method": "mtp", ...}``. The main
+    model's weights are the same as without it.
+    """
     out = Path(out_dir)
     stamp = out / ".tiny_model_build"
-    if not force and stamp.exists() and stamp.read_text() == f"{BUILD_VERSION}:{seed}":
+    recipe = f"{BUILD_VERSION}:{seed}" + (f":mtp{mtp_layers}" if mtp_layers else "")
+    if not force and stamp.exists() and stamp.read_text() == recipe:
         return out
     import torch
     from transformers import Qwen3_5ForConditionalGeneration
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = _config()
+    config = _config(mtp_layers)
     model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
     _sharpen(model, seed)
     model.save_pretrained(out, safe_serialization=True)
+    if mtp_layers:
+        _write_mtp_weights(out, mtp_layers, seed)
     # vLLM reads generation defaults from here; keep it greedy-neutral and stop on <|im_end|>.
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": special_id("<|im_end|>"), "do_sample": False}, indent=2)
     )
     _write_tokenizer(out)
     _write_processor_configs(out)
-    stamp.write_text(f"{BUILD_VERSION}:{seed}")
+    stamp.write_text(recipe)
     return out
 
 
@@ -352,8 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", nargs="?", default="/tmp/vllm-mamba-fix-tiny-qwen35")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
+    parser.add_argument(
+        "--mtp-layers", type=int, default=0, help="add an MTP head of this many layers"
+    )
     args = parser.parse_args(argv)
-    print(build(args.out_dir, seed=args.seed, force=args.force))
+    print(build(args.out_dir, seed=args.seed, force=args.force, mtp_layers=args.mtp_layers))
     return 0
 
 

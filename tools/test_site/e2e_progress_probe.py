@@ -4,7 +4,11 @@ Enabled by ``VLLM_E2E_PROBE=<file>`` in a process that has ``tools/test_site`` o
 It wraps ``Scheduler.schedule`` of the process that builds the scheduler (vLLM's engine core)
 and appends JSON lines to ``<file>``::
 
-    {"pid": 123, "step": 4711, "t": 1.7e9, "reqs": {"<id>": [computed, prompt, scheduled, still]}}
+    {"pid": 123, "step": 4711, "t": 1.7e9, "reqs": {"<id>": [computed, prompt, scheduled, still]},
+     "block_size": 128, "use_eagle": false}
+
+(``block_size`` and ``use_eagle``, the scheduler's own values, only on lines where a position
+changed.)
 
 ``still`` is the number of consecutive ``schedule()`` calls in which that request's
 ``num_computed_tokens`` did not move while it was unfinished. A line is written whenever a
@@ -78,7 +82,13 @@ def _record(sched, out, state: dict, path: str) -> None:
     if not changed and now - state["last_write"] < HEARTBEAT_S:
         return
     state["last_write"] = now
-    line = json.dumps({"pid": os.getpid(), "step": state["step"], "t": now, "reqs": reqs})
+    rec = {"pid": os.getpid(), "step": state["step"], "t": now, "reqs": reqs}
+    if state["step"] == 1 or changed:
+        # The scheduler's view, for tests that check the layout they ran (e.g. block size under
+        # speculative decoding, which vLLM derives differently).
+        rec["block_size"] = int(sched.cache_config.block_size)
+        rec["use_eagle"] = bool(getattr(sched, "use_eagle", False))
+    line = json.dumps(rec)
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(line + "\n")
 

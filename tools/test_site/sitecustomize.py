@@ -6,17 +6,21 @@ this at start-up:
 
 * ``e2e_tv_shim``: lets transformers' Qwen3-VL processing run without torchvision;
 * ``e2e_progress_probe``: only if ``VLLM_E2E_PROBE`` is set, records scheduler progress for the
-  hang watchdog.
+  hang watchdog;
+* ``e2e_cpu_mamba_spec``: CPU stand-ins for the two Triton kernels of vLLM's speculative Mamba
+  "align" path, bound only where Triton is unavailable (speculative decoding on the CPU engine).
 
 Never raises: an interpreter that merely inherits PYTHONPATH must keep working.
 """
 
 try:
+    import e2e_cpu_mamba_spec as _cpu_mamba_spec
     import e2e_progress_probe as _probe
     import e2e_tv_shim as _tv_shim
 
     _tv_shim.install()
     _probe.install()
+    _cpu_mamba_spec.install()
 except Exception as _exc:  # pragma: no cover - defensive
     import sys as _sys
 
