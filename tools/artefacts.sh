@@ -87,13 +87,18 @@ else
   "${pip[@]}" install --no-index "$wheel" >"$work/install.log" 2>&1 \
     || fail "pip install $wheel" "$work/install.log"
 fi
-grep -E '^(Successfully installed|Requirement already satisfied: (packaging|pluggy))' \
-  "$work/install.log" | sed 's/ in .*//; s/^/  /' >&2 || true
+grep -E '^Requirement already satisfied: (packaging|pluggy)' "$work/install.log" \
+  | sed 's/ in .*//; s/^/  /' >&2 || true
+grep '^Successfully installed' "$work/install.log" \
+  | awk '{ for (i = 3; i <= NF; i++) if ($i ~ /^vllm-mamba-fix-/) ours = $i
+           printf "  installed %s (%d package(s) in all)\n", ours, NF - 2 }' >&2 \
+  || true
 
 # Only the tools package comes from the checkout: a folder holding nothing but a link to it
 # is the working directory and PYTHONPATH, so `vllm_mamba_fix` can only come from the wheel.
 mkdir -p "$work/run"
 ln -s "$root/tools" "$work/run/tools"
+say "  checks in the venv: vLLM's plugin loading, doctor, the scheduler reproduction"
 (cd "$work/run" && PYTHONPATH="$work/run" "$vpy" -m tools.artefacts installed) \
   || fail "the installed wheel (checks above)"
 say "passed in $((SECONDS - start)) s ($(basename "$wheel"), $(basename "$work"/dist/*.tar.gz))"
