@@ -215,8 +215,27 @@ def installed() -> Checks:
     import vllm
     import vllm.plugins
 
-    vllm.plugins.load_general_plugins()
+    # Record which plugins vLLM's own loader returns, by name, on the way through.
+    loaded_by_name: dict[str, object] = {}
+    by_group = vllm.plugins.load_plugins_by_group
+
+    def recording(group: str) -> dict:
+        plugins = by_group(group)
+        if group == PLUGIN_GROUP:
+            loaded_by_name.update(plugins)
+        return plugins
+
+    vllm.plugins.load_plugins_by_group = recording
+    try:
+        vllm.plugins.load_general_plugins()
+    finally:
+        vllm.plugins.load_plugins_by_group = by_group
     module = sys.modules.get(PACKAGE)
+    checks.check(
+        module is not None and loaded_by_name.get(PLUGIN_NAME) is getattr(module, "register", 0),
+        f"load_general_plugins() loaded {PLUGIN_NAME!r} -> {ENTRY_POINT_VALUE}",
+        f"plugins loaded: {sorted(loaded_by_name)}",
+    )
     loaded = getattr(module, "__file__", None) or "(not imported)"
     checks.check(
         module is not None and _inside(loaded, purelib),
@@ -262,7 +281,8 @@ def installed() -> Checks:
         f"exit {code}, status {status}, {seconds:.0f} s; {report.get('summary')!r}",
     )
     if not ok:
-        print(out[-3000:] + err[-3000:], file=sys.stderr)
+        lines = [*report.get("problems", []), *report.get("warnings", [])] if report else []
+        print("\n".join(lines) or out[-3000:] + err[-3000:], file=sys.stderr)
 
     code, out, err, seconds = demo.wait()
     origin = next((ln for ln in out.splitlines() if ln.startswith("plugin: ")), "no plugin line")
