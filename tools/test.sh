@@ -15,7 +15,7 @@ py=$venv/bin/python
 "$venv/bin/ruff" format --check .
 
 # The wheel as users install it: built, twine-checked, installed (not editable) into its own
-# venv, where vLLM must load the plugin from it and be patched. About two minutes.
+# venv, where vLLM must load the plugin from it and be patched. One to three minutes.
 if [[ ${VLLM_MAMBA_FIX_SKIP_ARTEFACTS:-0} == 1 ]]; then
   echo "test: skipping the built-artefact check (VLLM_MAMBA_FIX_SKIP_ARTEFACTS=1)" >&2
 else
