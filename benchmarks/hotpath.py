@@ -1,11 +1,19 @@
-"""Section 1: cost of the wrapper on the scheduler's hot path (vLLM 0.27.1, in-process).
+"""Section 1: cost of the wrappers on the scheduler's hot path (vLLM 0.27.1, in-process).
 
-``schedule()``: two identical schedulers (same requests, same warm-up) step in lockstep; before
-each timed ``schedule()`` the class attribute is set to the wrapper on one and to the original
-(``__wrapped__``) on the other, and which one goes first alternates. Both therefore see the same
-state at every step; the chunks they schedule are compared, so a divergence would show.
+Three arms, side by side in one run (issue 11 item 3):
 
-Microbench: the method itself, wrapper against original, on the same request objects.
+- ``stock``: both methods vLLM's own (``__wrapped__``);
+- ``split``: the 0.1.0-equivalent plugin: only the split wrapper (the same wrapper object
+  the plugin installs; its fast path is unchanged since 0.1.0), the encoder method stock;
+- ``split+encoder``: the plugin as installed now: the split wrapper and the wrapper on
+  ``_try_schedule_encoder_inputs`` (speculative-stall rule and stall watchdog, watchdog on).
+
+``schedule()``: three identical schedulers (same requests, same warm-up) step in lockstep;
+before each timed ``schedule()`` the class attributes are set to that arm's methods, and the
+order rotates. All three see the same state at every step; the chunks they schedule are
+compared, so a divergence would show.
+
+Microbench: each method itself, wrapper against original, on the same request objects.
 """
 
 from __future__ import annotations
@@ -13,11 +21,19 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.common import quantiles
 
 METHOD = "_mamba_block_aligned_split"
+ENCODER_METHOD = "_try_schedule_encoder_inputs"
+# arm -> which wrapped methods it installs
+ARMS: dict[str, tuple[str, ...]] = {
+    "stock": (),
+    "split": (METHOD,),
+    "split+encoder": (METHOD, ENCODER_METHOD),
+}
 
 # Workload: 256 running requests, text and image, prefill and decode. Running order (= admission
 # order): image prefills, decodes, text prefills. long_prefill_token_threshold = 2 blocks, so
@@ -37,13 +53,38 @@ def _scheduler_class() -> type:
     return Scheduler
 
 
-def methods() -> tuple[Callable[..., int], Callable[..., int]]:
-    """(wrapper, original). The plugin must be registered."""
-    wrapper = _scheduler_class().__dict__[METHOD]
+def methods(name: str = METHOD) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(wrapper, original) of ``name``. The plugin must be registered."""
+    wrapper = _scheduler_class().__dict__[name]
     original = getattr(wrapper, "__wrapped__", None)
     if original is None:
-        raise RuntimeError("the scheduler's split is not wrapped; register the plugin first")
+        raise RuntimeError(f"the scheduler's {name} is not wrapped; register the plugin first")
     return wrapper, original
+
+
+def arm_methods() -> dict[str, dict[str, Callable[..., Any]]]:
+    """Per arm, the function to set on the class for each of the two methods."""
+    pairs = {name: methods(name) for name in (METHOD, ENCODER_METHOD)}
+    return {
+        arm: {name: pairs[name][0 if name in wrapped else 1] for name in pairs}
+        for arm, wrapped in ARMS.items()
+    }
+
+
+def _install(cls: type, functions: dict[str, Callable[..., Any]]) -> None:
+    for name, fn in functions.items():
+        setattr(cls, name, fn)
+
+
+def watchdog_settings() -> dict[str, Any]:
+    """What the installed encoder wrapper was built with (the watchdog must be on)."""
+    from vllm_mamba_fix import patch
+
+    options = getattr(_scheduler_class().__dict__[ENCODER_METHOD], patch.MARKER)
+    return {
+        "stall_seconds": options.stall_seconds,
+        "release_speculative_stalls": options.release_speculative_stalls,
+    }
 
 
 def _specs() -> list[Any]:
@@ -70,8 +111,8 @@ def _specs() -> list[Any]:
     return specs
 
 
-def build_pair() -> tuple[Any, Any]:
-    """Two identical harnesses, warmed up to 256 running requests."""
+def build_many(count: int) -> list[Any]:
+    """``count`` identical harnesses, warmed up to 256 running requests."""
     from tools.sched_harness import Harness, HarnessConfig
 
     cfg = HarnessConfig(
@@ -82,8 +123,8 @@ def build_pair() -> tuple[Any, Any]:
         max_num_seqs=256,
         max_model_len=65_536,
     )
-    pair = []
-    for _ in range(2):
+    built = []
+    for _ in range(count):
         harness = Harness(cfg)
         harness.add(*_specs())
         scheduler = harness.scheduler
@@ -94,8 +135,8 @@ def build_pair() -> tuple[Any, Any]:
         scheduler.max_num_scheduled_tokens = budget
         for _ in range(3):
             harness.step()
-        pair.append(harness)
-    return pair[0], pair[1]
+        built.append(harness)
+    return built
 
 
 def _timed_schedule(scheduler: Any, sink: list[int]) -> None:
@@ -115,133 +156,199 @@ def _timed_schedule(scheduler: Any, sink: list[int]) -> None:
     scheduler.schedule = schedule
 
 
-def _count_calls(harness: Any, cls: type, original: Callable[..., int]) -> tuple[int, int]:
-    """Split calls in one ``schedule()``, and how many miss the wrapper's fast path."""
+def _count_calls(harness: Any, cls: type, stock: dict[str, Callable[..., Any]]) -> dict[str, int]:
+    """Calls of both methods in one ``schedule()``: split calls and how many miss the split
+    wrapper's fast path; encoder calls and how many returned 0 (all the watchdog looks at)."""
     from vllm_mamba_fix.decision import can_need_correction
 
-    calls = slow = 0
+    split, encoder = stock[METHOD], stock[ENCODER_METHOD]
+    n = {"split": 0, "split_slow": 0, "encoder": 0, "encoder_zero": 0}
 
-    def counting(self: Any, request: Any, n: int, *args: Any, **kwargs: Any) -> int:
-        nonlocal calls, slow
-        calls += 1
-        stock = original(self, request, n, *args, **kwargs)
+    def counting_split(self: Any, request: Any, new: int, *args: Any, **kwargs: Any) -> int:
+        n["split"] += 1
+        result = split(self, request, new, *args, **kwargs)
         start = request.num_computed_tokens + sum(args) + sum(kwargs.values())
-        slow += can_need_correction(stock, n, start, self.cache_config.block_size)
-        return stock
+        n["split_slow"] += can_need_correction(result, new, start, self.cache_config.block_size)
+        return result
 
-    setattr(cls, METHOD, counting)
+    def counting_encoder(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        n["encoder"] += 1
+        result = encoder(self, request, *args, **kwargs)
+        n["encoder_zero"] += not result[1]
+        return result
+
+    _install(cls, {METHOD: counting_split, ENCODER_METHOD: counting_encoder})
     try:
         # Class method, not the timing shim; the state is not reused afterwards.
         type(harness.scheduler).schedule(harness.scheduler)
     finally:
-        setattr(cls, METHOD, original)
-    return calls, slow
+        _install(cls, stock)
+    return n
+
+
+def _per_call(diffs_ns: list[float], calls: float) -> dict[str, float]:
+    """Paired per-step differences (ns) as us per call: median and IQR."""
+    return quantiles([d / 1e3 / calls for d in diffs_ns]) if calls else quantiles([])
 
 
 def schedule_bench(rounds: int, steps: int) -> dict[str, Any]:
     cls = _scheduler_class()
-    wrapper, original = methods()
-    ratios: list[float] = []
-    patched_ns: list[int] = []
-    stock_ns: list[int] = []
+    arms = arm_methods()
+    names = list(arms)
+    times: dict[str, list[int]] = {name: [] for name in names}
     diverged = 0
     running: list[int] = []
-    calls_per_step: list[int] = []
-    slow_per_step: list[int] = []
+    counts: list[dict[str, int]] = []
     try:
         for r in range(rounds):
-            setattr(cls, METHOD, original)
-            a, b = build_pair()  # a: patched arm, b: stock arm
-            if r % 2:  # swap the objects' roles every round: no arm owns one scheduler
-                a, b = b, a
-            sink_a: list[int] = []
-            sink_b: list[int] = []
-            _timed_schedule(a.scheduler, sink_a)
-            _timed_schedule(b.scheduler, sink_b)
-            running.append(len(a.scheduler.running))
+            _install(cls, arms["stock"])
+            harnesses = build_many(len(names))
+            # Rotate the objects' roles every round: no arm owns one scheduler.
+            owner = {name: harnesses[(i + r) % len(names)] for i, name in enumerate(names)}
+            sinks: dict[str, list[int]] = {name: [] for name in names}
+            for name in names:
+                _timed_schedule(owner[name].scheduler, sinks[name])
+            running.append(len(harnesses[0].scheduler.running))
             for s in range(steps):
                 gc.collect()
-                order = ((a, wrapper), (b, original))
-                if (r + s) % 2:
-                    order = order[::-1]
+                shift = (r + s) % len(names)  # rotate which arm runs first
                 chunks = {}
-                for harness, method in order:
-                    setattr(cls, METHOD, method)
-                    chunks[id(harness)] = harness.step()
-                if chunks[id(a)] != chunks[id(b)]:
+                for name in names[shift:] + names[:shift]:
+                    _install(cls, arms[name])
+                    chunks[name] = owner[name].step()
+                if any(chunks[name] != chunks["stock"] for name in names):
                     diverged += 1
-            setattr(cls, METHOD, original)
-            calls, slow = _count_calls(b, cls, original)
-            calls_per_step.append(calls)
-            slow_per_step.append(slow)
-            for ta, tb in zip(sink_a, sink_b, strict=True):
-                ratios.append(ta / tb)
-            patched_ns += sink_a
-            stock_ns += sink_b
+            _install(cls, arms["stock"])
+            counts.append(_count_calls(owner["stock"], cls, arms["stock"]))
+            for name in names:
+                times[name] += sinks[name]
     finally:
-        setattr(cls, METHOD, wrapper)
-    p = quantiles([t / 1e3 for t in patched_ns])
-    s = quantiles([t / 1e3 for t in stock_ns])
-    calls = sum(calls_per_step) / len(calls_per_step)
+        _install(cls, arms["split+encoder"])  # the plugin as registered
+    per_step = {k: sum(c[k] for c in counts) / len(counts) for k in counts[0]}
+
+    def ratio(a: str, b: str) -> dict[str, float]:
+        return quantiles([x / y for x, y in zip(times[a], times[b], strict=True)])
+
+    def diff(a: str, b: str) -> list[float]:
+        return [x - y for x, y in zip(times[a], times[b], strict=True)]
+
     return {
-        "ratio": quantiles(ratios),
-        "patched_us": p,
-        "stock_us": s,
+        "arms": names,
+        "us_per_step": {name: quantiles([t / 1e3 for t in times[name]]) for name in names},
+        "ratio": {
+            "split/stock": ratio("split", "stock"),
+            "split+encoder/stock": ratio("split+encoder", "stock"),
+            "split+encoder/split": ratio("split+encoder", "split"),
+        },
+        # Paired per-step differences, per call of the wrapper that differs between the arms.
+        "added_us_per_split_call": _per_call(diff("split", "stock"), per_step["split"]),
+        "added_us_per_encoder_call": _per_call(diff("split+encoder", "split"), per_step["encoder"]),
         "running_requests": min(running),
-        "split_calls_per_step": calls,
-        "slow_path_calls_per_step": sum(slow_per_step) / len(slow_per_step),
-        "added_us_per_call_from_schedule": (p["median"] - s["median"]) / calls,
+        "calls_per_step": per_step,
+        "watchdog": watchdog_settings(),
         "diverged_steps": diverged,
-        "steps": len(ratios),
+        "steps": len(times["stock"]),
     }
 
 
 # --------------------------------------------------------------------------- microbench
 
 
-def _micro_cases(harness: Any) -> dict[str, tuple[Any, int]]:
-    """(request, num_new_tokens) per path of the wrapper, on real ``Request`` objects."""
+@dataclass(frozen=True)
+class MicroCase:
+    method: str  # METHOD or ENCODER_METHOD
+    args: tuple[Any, ...]  # after self
+    # "fast": the wrapper's common path (target applies); else how often the path runs
+    kind: str
+
+
+def _micro_cases(harness: Any) -> dict[str, MicroCase]:
+    """Per path of each wrapper, its arguments on real ``Request`` objects."""
     from tools.sched_harness import RequestSpec, make_request
 
     b = harness.block_size
+    budget = harness.scheduler.max_num_encoder_input_tokens
 
     def request(rid: str, prompt: int, computed: int, images: tuple = ()) -> Any:
         req = make_request(harness.built, RequestSpec(rid, prompt, images, seed=len(rid)))
         req.num_computed_tokens = computed
         return req
 
+    def split(req: Any, n: int, kind: str) -> MicroCase:
+        return MicroCase(METHOD, (req, n), kind)
+
+    def encoder(req: Any, computed: int, n: int, budget: int, kind: str) -> MicroCase:
+        return MicroCase(ENCODER_METHOD, (req, computed, n, budget, 0), kind)
+
     image = ((3 * b + 100, 2_000),)
     decode = request("decode", 2_000, 2_000)
     decode.append_output_token_ids(7)
+    image_decode = request("image-decode", 2_000, 2_000, ((100, 576),))
+    image_decode.append_output_token_ids(7)
     return {
         # decode step: stock returns n at once (start past the prompt)
-        "decode": (decode, 1),
+        "decode": split(decode, 1, "fast"),
         # prefill chunk from a boundary ending on one: fast path
-        "prefill aligned": (request("aligned", 20 * b, 2 * b), 4 * b),
+        "prefill aligned": split(request("aligned", 20 * b, 2 * b), 4 * b, "fast"),
         # prefill chunk from mid-block up to the next boundary: fast path
-        "prefill mid-block": (request("inside", 20 * b, 2 * b + 10), b - 10),
+        "prefill mid-block": split(request("inside", 20 * b, 2 * b + 10), b - 10, "fast"),
         # stock floors a chunk to a boundary: slow path, no correction
-        "slow path, no change": (request("slow", 20 * b, 2 * b), 3 * b + 500),
+        "slow path, no change": split(
+            request("slow", 20 * b, 2 * b), 3 * b + 500, "(rare: once per chunk/image)"
+        ),
         # text prefill behind others, left a sub-block budget: stock floors it to 0, the wrapper
         # asks the scope hook (pluggy) and keeps 0 (every step, for every such request)
-        "slow path, text prefill starved": (request("starved", 20 * b, 2 * b), 500),
+        "slow path, text prefill starved": split(
+            request("starved", 20 * b, 2 * b), 500, "(every step, per budget-starved prefill)"
+        ),
         # chunk cut at an image start, not a boundary: slow path, second call to the original,
         # correction recorded (rare: once per image per request)
-        "slow path, encoder stop": (request("enc", 20 * b, 2 * b, image), b + 100),
+        "slow path, encoder stop": split(
+            request("enc", 20 * b, 2 * b, image), b + 100, "(rare: once per chunk/image)"
+        ),
+        # encoder wrapper: an image request's decode step (nothing in the window)
+        "encoder: image request decode": encoder(image_decode, 2_000, 1, budget, "fast"),
+        # encoder wrapper: a prefill chunk that schedules an image
+        "encoder: prefill chunk schedules an image": encoder(
+            request("enc-prefill", 20 * b, 2 * b, image), 2 * b, 4 * b, budget, "fast"
+        ),
+        # encoder wrapper: 0 tokens (no encoder budget left, past the image start): the only
+        # result the speculative-stall rule and the watchdog look at
+        "encoder: returned 0 (watchdog looks)": encoder(
+            request("enc-zero", 20 * b, 3 * b + 110, image),
+            3 * b + 110,
+            2 * b,
+            0,
+            "(only a call that returned 0)",
+        ),
     }
 
 
-def _calibrate(scheduler: Any, req: Any, n: int, target_ns: int) -> int:
+def _loop(fn: Callable[..., Any], args: tuple[Any, ...], loops: int) -> int:
+    """``loops`` calls of ``fn(*args)``, unpacked outside the loop; returns ns."""
+    clock = time.perf_counter_ns
+    rng = range(loops)
+    if len(args) == 2:
+        a, b = args
+        t0 = clock()
+        for _ in rng:
+            fn(a, b)
+        return clock() - t0
+    a, b, c, d, e = args
+    t0 = clock()
+    for _ in rng:
+        fn(a, b, c, d, e)
+    return clock() - t0
+
+
+def _calibrate(scheduler: Any, case: MicroCase, target_ns: int) -> int:
     """Loop count that makes one timed block last about ``target_ns``."""
-    t0 = time.perf_counter_ns()
-    for _ in range(100):
-        scheduler._mamba_block_aligned_split(req, n)
-    per_call = max((time.perf_counter_ns() - t0) / 100, 1.0)
+    per_call = max(_loop(getattr(scheduler, case.method), case.args, 100) / 100, 1.0)
     return max(100, int(target_ns / per_call))
 
 
 def prototypes(original: Callable[..., int], wrapper: Callable[..., int]) -> dict[str, Any]:
-    """Wrappers that bound what any wrapper can cost (not the plugin's code; not shipped).
+    """Split wrappers that bound what any wrapper can cost (not the plugin's code; not shipped).
 
     - ``bare``: calls the original and returns its result: the floor of any Python wrapper;
     - ``inlined``: the plugin's fast-path test written inline (no helper call, decode answered
@@ -266,7 +373,14 @@ def prototypes(original: Callable[..., int], wrapper: Callable[..., int]) -> dic
     return {"bare": bare, "inlined": inlined}
 
 
-FAST_PATH_CASES = ("decode", "prefill aligned", "prefill mid-block")
+def encoder_prototypes(original: Callable[..., Any]) -> dict[str, Any]:
+    """``bare``: an encoder wrapper that only calls the original (same parameters as the
+    plugin's): the floor; the plugin's wrapper minus this is what its checks cost."""
+
+    def bare(self: Any, request: Any, computed: int, new: int, budget: int, shift: int = 0) -> Any:
+        return original(self, request, computed, new, budget, shift)
+
+    return {"bare": bare}
 
 
 def micro_bench(repeats: int, target_ns: int) -> dict[str, Any]:
@@ -276,57 +390,70 @@ def micro_bench(repeats: int, target_ns: int) -> dict[str, Any]:
     from vllm_mamba_fix import counters
 
     cls = _scheduler_class()
-    wrapper, original = methods()
+    installed = {name: methods(name) for name in (METHOD, ENCODER_METHOD)}
     harness = Harness(ISSUE_CONFIG)
     scheduler = harness.scheduler
-    clock = time.perf_counter_ns
     out: dict[str, Any] = {}
     try:
-        for name, (req, n) in _micro_cases(harness).items():
-            setattr(cls, METHOD, original)
-            stock_result = scheduler._mamba_block_aligned_split(req, n)
-            setattr(cls, METHOD, wrapper)
-            patched_result = scheduler._mamba_block_aligned_split(req, n)
-            loops = _calibrate(scheduler, req, n, target_ns)
-            arms: dict[str, Callable[..., int]] = {"original": original, "wrapper": wrapper}
-            if name in FAST_PATH_CASES:
-                arms.update(prototypes(original, wrapper))
+        for name, case in _micro_cases(harness).items():
+            wrapper, original = installed[case.method]
+            setattr(cls, case.method, original)
+            stock_result = getattr(scheduler, case.method)(*case.args)
+            setattr(cls, case.method, wrapper)
+            patched_result = getattr(scheduler, case.method)(*case.args)
+            loops = _calibrate(scheduler, case, target_ns)
+            arms: dict[str, Callable[..., Any]] = {"original": original, "wrapper": wrapper}
+            if case.kind == "fast":
+                arms.update(
+                    prototypes(original, wrapper)
+                    if case.method == METHOD
+                    else encoder_prototypes(original)
+                )
             times: dict[str, list[float]] = {arm: [] for arm in arms}
             added: dict[str, list[float]] = {arm: [] for arm in arms if arm != "original"}
-            rng = range(loops)
+            over_bare: list[float] = []
             order = list(arms.items())
             for i in range(repeats):
                 sample = {}
                 # rotate the order so no arm always runs first
                 shift = i % len(order)
                 for arm, method in order[shift:] + order[:shift]:
-                    setattr(cls, METHOD, method)
-                    split = scheduler._mamba_block_aligned_split
+                    setattr(cls, case.method, method)
+                    bound = getattr(scheduler, case.method)
                     gc.disable()
-                    t0 = clock()
-                    for _ in rng:
-                        split(req, n)
-                    elapsed = clock() - t0
+                    elapsed = _loop(bound, case.args, loops)
                     gc.enable()
                     sample[arm] = elapsed / loops / 1e3
                     times[arm].append(sample[arm])
                 for arm in added:
                     added[arm].append(sample[arm] - sample["original"])
+                if "bare" in sample:
+                    over_bare.append(sample["wrapper"] - sample["bare"])
             out[name] = {
-                "stock_result": stock_result,
-                "patched_result": patched_result,
+                "method": case.method,
+                "kind": case.kind,
+                "stock_result": _result(stock_result),
+                "patched_result": _result(patched_result),
                 "original_us": quantiles(times["original"])["median"],
                 "wrapper_us": quantiles(times["wrapper"])["median"],
                 "added_us": quantiles(added["wrapper"]),
                 "prototype_added_us": {
                     arm: quantiles(v)["median"] for arm, v in added.items() if arm != "wrapper"
                 },
+                "over_bare_us": quantiles(over_bare) if over_bare else None,
                 "loops": loops,
             }
+            setattr(cls, case.method, wrapper)
     finally:
-        setattr(cls, METHOD, wrapper)
+        for wrapper, _original in installed.values():
+            setattr(cls, wrapper.__name__, wrapper)
         counters.reset()
     return out
+
+
+def _result(value: Any) -> Any:
+    """Tokens a call returned (the encoder method returns a tuple; its [1] is the tokens)."""
+    return value[1] if isinstance(value, tuple) else value
 
 
 def first_scope_call() -> dict[str, float]:
@@ -337,7 +464,7 @@ def first_scope_call() -> dict[str, float]:
     from vllm_mamba_fix.scope import ScopePolicy
 
     harness = Harness(ISSUE_CONFIG)
-    req, _ = _micro_cases(harness)["slow path, text prefill starved"]
+    req = _micro_cases(harness)["slow path, text prefill starved"].args[0]
     policy = ScopePolicy(Scope.MULTIMODAL)
     times = []
     for _ in range(3):

@@ -1,6 +1,6 @@
-"""vllm-mamba-fix benchmarks (issue 7): one command, one table.
+"""vllm-mamba-fix benchmarks (issues 7, 10, 11): one command, one table.
 
-    python -m benchmarks.run                    # full profile (about 10-15 min on 2 cores)
+    python -m benchmarks.run                    # full profile (about 10-20 min on 2 cores)
     python -m benchmarks.run --profile smoke    # CI: small, same table shape, no timing asserts
 
 Prints the table and writes ``benchmarks/results/latest.json`` and ``latest.md`` (``--out``).
@@ -31,8 +31,8 @@ TARGET_ADDED_US = 0.5
 TARGET_REGISTER_MS = 20.0
 
 TIMEOUTS = {  # seconds per worker process
-    "smoke": {"main": 420, "upstream": 300, "doctor": 120, "imported": 180, "e2e": 0},
-    "full": {"main": 1500, "upstream": 900, "doctor": 180, "imported": 300, "e2e": 600},
+    "smoke": {"main": 600, "upstream": 420, "doctor": 120, "imported": 180, "e2e": 0},
+    "full": {"main": 2700, "upstream": 1500, "doctor": 180, "imported": 300, "e2e": 600},
 }
 MAIN_TASKS = "startup_hook,startup_warm,steps:stock,steps:nocache,steps:plugin,hotpath"
 
@@ -171,107 +171,221 @@ def analyse(results: dict[str, Any]) -> dict[str, Any]:
     # 1. hot path
     hot = _task(results, "main", "hotpath")
     if "error" in hot:
-        row("1 hot path", "schedule() patched/stock", "error: " + hot["error"][:200])
+        row("1 hot path", "schedule() per step, three arms", "error: " + hot["error"][:200])
     else:
-        sched = hot["schedule"]
-        ratio = sched["ratio"]
-        row("1 hot path", "schedule() patched/stock, median [IQR]",
-            f"{fmt(ratio['median'])} [{fmt(ratio['p25'])}-{fmt(ratio['p75'])}], "
-            f"n={ratio['n']} steps, {sched['running_requests']} running, "
-            f"{sched['split_calls_per_step']:.0f} split calls/step "
-            f"({sched.get('slow_path_calls_per_step', float('nan')):.0f} off the fast path), "
-            f"stock {sched['stock_us']['median'] / 1e3:.2f} ms/step, "
-            f"{sched['diverged_steps']} diverged",
-            f"<= {TARGET_SCHEDULE_RATIO}", ratio["median"] <= TARGET_SCHEDULE_RATIO)  # fmt: skip
-        row(
-            "1 hot path",
-            "added us per split call, from schedule()",
-            f"{fmt(sched['added_us_per_call_from_schedule'], 2)} (noisy: difference of medians)",
-        )
-        scope = hot.get("scope_first_call")
-        if scope:
-            row("1 hot path", "one-off: first scope check (builds pluggy manager, scans entry "
-                "points) inside a schedule() step",
-                f"{fmt(scope['first_us'] / 1e3, 2)} ms once; later "
-                f"{fmt(scope['later_us'], 1)} us")  # fmt: skip
-        for case, m in hot["micro"].items():
-            added = m["added_us"]
-            fast = case in ("decode", "prefill aligned", "prefill mid-block")
-            proto = ", ".join(
-                f"{k} {fmt(v, 3)}" for k, v in m.get("prototype_added_us", {}).items()
-            )
-            extra = f"; prototypes: {proto}" if proto else ""
-            row("1 hot path", f"microbench added us/call: {case}",
-                f"{fmt(added['median'], 3)} [{fmt(added['p25'], 3)}-{fmt(added['p75'], 3)}] "
-                f"(original {fmt(m['original_us'], 3)} us, returns {m['stock_result']}"
-                f"->{m['patched_result']}){extra}",
-                f"< {TARGET_ADDED_US}" if fast else _slow_label(case),
-                added["median"] < TARGET_ADDED_US if fast else None)  # fmt: skip
+        _hot_rows(hot, row)
 
-    # 2. steps
+    # 2. steps and 3. prefix reuse, per mode
     arms = _steps_by_arm(results)
     worse: list[dict[str, Any]] = []
     layouts: list[dict[str, Any]] = []
-    if any("error" in a for a in (arms["plugin"], arms["upstream"])):
-        err = next(a["error"] for a in (arms["plugin"], arms["upstream"]) if "error" in a)
-        row("2 steps", "plugin vs upstream", "error: " + err[:200])
-    else:
-        index = {arm: {s["layout"]: s for s in data.get("steps", [])} for arm, data in arms.items()}
-        for layout, p in index["plugin"].items():
-            u = index["upstream"].get(layout, {})
-            entry = {
-                "layout": layout,
-                **{arm: index[arm].get(layout, {}).get("steps", "n/a") for arm in arms},
-                "plugin_violations": p["violations"],
-            }
-            layouts.append(entry)
-            ps, us = p["steps"], u.get("steps")
-            if ps is None or (us is not None and ps > us):
-                worse.append({"layout": layout, "plugin_steps": ps, "upstream_steps": us,
-                              "plugin_chunks": p["chunks"],
-                              "upstream_chunks": u.get("chunks")})  # fmt: skip
-        issue = layouts[0]
-        row("2 steps", f"issue #40707 layout: steps to finish prefill ({issue['layout']})",
-            f"plugin {_cell(issue['plugin'])}, upstream 0.28.0 {_cell(issue['upstream'])}, "
-            f"caching off {_cell(issue['nocache'])}, stock 0.27.1 {_cell(issue['stock'])}",
-            "plugin <= upstream",
-            not any(w["layout"] == issue["layout"] for w in worse))  # fmt: skip
-        n = len(layouts)
-        equal = sum(1 for x in layouts if x["plugin"] == x["upstream"])
-        fewer = sum(
-            1 for x in layouts
-            if isinstance(x["plugin"], int) and isinstance(x["upstream"], int)
-            and x["plugin"] < x["upstream"]
-        )  # fmt: skip
-        stalls = sum(1 for x in layouts if x["stock"] is None)
-        nocache_fewer = sum(
-            1 for x in layouts
-            if isinstance(x["nocache"], int) and isinstance(x["plugin"], int)
-            and x["nocache"] < x["plugin"]
-        )  # fmt: skip
-        bad = sum(x["plugin_violations"] for x in layouts)
-        row("2 steps", f"layout sweep ({n} layouts)",
-            f"plugin = upstream on {equal}, fewer on {fewer}, MORE on {len(worse)}; "
-            f"stock 0.27.1 stalls on {stalls}; caching off needs fewer steps than the plugin "
-            f"on {nocache_fewer} (no alignment, no reuse); plugin boundary violations {bad}",
-            "plugin <= upstream on every layout", not worse)  # fmt: skip
-
-    # 3. prefix reuse
-    pre = {arm: arms[arm].get("prefix") for arm in ("plugin", "upstream", "nocache")}
-    if any(v is None for v in pre.values()):
+    stalls: list[dict[str, Any]] = []
+    prefix: list[dict[str, Any]] = []
+    broken = [a for a in (arms["plugin"], arms["upstream"]) if "error" in a]
+    if broken:
+        row("2 steps", "plugin vs upstream", "error: " + broken[0]["error"][:200])
         row("3 prefix reuse", "cached tokens, second identical request", "error")
     else:
-        equal_all = True
-        for i, p in enumerate(pre["plugin"]):
-            u, w = pre["upstream"][i], pre["nocache"][i]
-            same = p["cached"] == u["cached"]
-            equal_all &= same
-            row("3 prefix reuse", f"cached prompt tokens of the repeat ({p['layout']}, "
-                f"{p['prompt_tokens']} tokens)",
-                f"plugin {p['cached']}, upstream 0.28.0 {u['cached']}, caching off {w['cached']}; "
-                f"repeat prefill steps {p['second_steps']}/{u['second_steps']}/{w['second_steps']}",
-                "= upstream", same)  # fmt: skip
+        for mode in sched_steps.MODE_NAMES:
+            _mode_rows(mode, arms, row, layouts, worse, stalls, prefix)
+    _startup_and_e2e_rows(results, row)
+    rows.sort(key=lambda r: r["section"])  # stable: modes stay in order within a section
+    return {"rows": rows, "layouts": layouts, "stall_layouts": stalls, "prefix": prefix,
+            "plugin_more_steps_than_upstream": worse}  # fmt: skip
 
+
+def _mode_data(arms: dict[str, dict[str, Any]], mode: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for arm, data in arms.items():
+        if "error" in data:
+            out[arm] = {"error": data["error"]}
+        else:
+            out[arm] = data.get("modes", {}).get(mode, {"error": f"mode {mode} missing"})
+    return out
+
+
+def _mode_rows(
+    mode: str,
+    arms: dict[str, dict[str, Any]],
+    row: Any,
+    layouts: list[dict[str, Any]],
+    worse: list[dict[str, Any]],
+    stalls: list[dict[str, Any]],
+    prefix: list[dict[str, Any]],
+) -> None:
+    data = _mode_data(arms, mode)
+    mtp = "mtp" in mode
+    for arm in ("plugin", "upstream"):
+        problem = data[arm].get("error") or data[arm].get("unsupported")
+        if problem:
+            row("2 steps", f"{mode}: plugin vs upstream", f"{arm}: {problem[:200]}")
+            return
+    block = data["plugin"].get("block_size")
+
+    def index(key: str) -> dict[str, dict[str, dict[str, Any]]]:
+        return {arm: {s["layout"]: s for s in d.get(key, [])} for arm, d in data.items()}
+
+    steps = index("steps")
+    mine: list[dict[str, Any]] = []
+    for layout, p in steps["plugin"].items():
+        u = steps["upstream"].get(layout, {})
+        entry = {"layout": layout, "mode": mode,
+                 **{arm: steps[arm].get(layout, {}).get("steps", "n/a") for arm in data},
+                 "plugin_violations": p["violations"]}  # fmt: skip
+        mine.append(entry)
+        ps, us = p["steps"], u.get("steps")
+        if ps is None or (us is not None and ps > us):
+            worse.append({"layout": layout, "mode": mode, "plugin_steps": ps,
+                          "upstream_steps": us, "plugin_chunks": p["chunks"],
+                          "upstream_chunks": u.get("chunks")})  # fmt: skip
+    layouts += mine
+    mode_worse = [w for w in worse if w["mode"] == mode]
+
+    def cells(x: dict[str, Any]) -> str:
+        return (f"plugin {_cell(x['plugin'])}, upstream 0.28.0 {_cell(x['upstream'])}, "
+                f"caching off {_cell(x['nocache'])}, stock 0.27.1 {_cell(x['stock'])}")  # fmt: skip
+
+    named = [x for x in mine if x["layout"].startswith(("issue-40707", "qwen-template"))]
+    row("2 steps", f"{mode}: steps to finish prefill, issue #40707 layout; Qwen-template layout "
+        f"(2 tokens between images)",
+        "; ".join(f"{x['layout'].split(' ')[0]}: {cells(x)}" for x in named)
+        + f" (block {block})",
+        "plugin <= upstream",
+        not any(w["layout"] == x["layout"] for x in named for w in mode_worse))  # fmt: skip
+    n = len(mine)
+    equal = sum(1 for x in mine if x["plugin"] == x["upstream"])
+    fewer = sum(
+        1 for x in mine
+        if isinstance(x["plugin"], int) and isinstance(x["upstream"], int)
+        and x["plugin"] < x["upstream"]
+    )  # fmt: skip
+    stock_stalls = sum(1 for x in mine if x["stock"] is None)
+    nocache_fewer = sum(
+        1 for x in mine
+        if isinstance(x["nocache"], int) and isinstance(x["plugin"], int)
+        and x["nocache"] < x["plugin"]
+    )  # fmt: skip
+    bad = sum(x["plugin_violations"] for x in mine)
+    gaps = ", every one with >= 2 tokens between its images" if mtp else ""
+    row("2 steps", f"{mode}: layout sweep ({n} layouts{gaps})",
+        f"plugin = upstream on {equal}, fewer on {fewer}, MORE on {len(mode_worse)}; "
+        f"stock 0.27.1 stalls on {stock_stalls}; caching off needs fewer steps than the plugin "
+        f"on {nocache_fewer} (no alignment, no reuse); plugin boundary violations {bad}",
+        "plugin <= upstream on every layout, 0 violations",
+        not mode_worse and bad == 0)  # fmt: skip
+
+    if mtp:
+        stall = index("stall")
+        mine_stalls = []
+        for layout, p in stall["plugin"].items():
+            entry = {"layout": layout, "mode": mode, "plugin_violations": p["violations"]}
+            for arm in data:
+                s = stall[arm].get(layout, {})
+                entry[arm] = s.get("steps", "n/a")
+                entry[f"{arm}_stall_at"] = s.get("stall_at")
+            mine_stalls.append(entry)
+        stalls += mine_stalls
+        k = len(mine_stalls)
+
+        def stalled(arm: str) -> str:
+            at = [x[f"{arm}_stall_at"] for x in mine_stalls if x[arm] is None]
+            where = f" (at {', '.join(map(str, at))})" if at else ""
+            return f"stalls on {len(at)}/{k}{where}"
+
+        done = [x["plugin"] for x in mine_stalls if isinstance(x["plugin"], int)]
+        bad = sum(x["plugin_violations"] for x in mine_stalls)
+        row("2 steps", f"{mode}: speculative stall, images 0-1 tokens apart ({k} layouts; "
+            "not in the sweep: vLLM's deferred encoder-cache free)",
+            f"plugin completes {len(done)}/{k} (steps {', '.join(map(str, done))}), "
+            f"violations {bad}; stock 0.28.0 {stalled('upstream')}; stock 0.27.1 "
+            f"{stalled('stock')}; caching off {stalled('nocache')}",
+            "plugin completes every one, 0 violations",
+            len(done) == k and bad == 0)  # fmt: skip
+
+    pre = index("prefix")
+    entries = []
+    for layout, p in pre["plugin"].items():
+        u = pre["upstream"].get(layout, {})
+        w = pre["nocache"].get(layout, {})
+        entries.append({"layout": layout, "mode": mode, "prompt_tokens": p["prompt_tokens"],
+                        "plugin": p["cached"], "upstream": u.get("cached"),
+                        "nocache": w.get("cached"),
+                        "steps": [p["second_steps"], u.get("second_steps"),
+                                  w.get("second_steps")]})  # fmt: skip
+    prefix += entries
+    same = sum(1 for e in entries if e["plugin"] == e["upstream"])
+    detail = "; ".join(
+        f"{e['layout'].split(' ')[0] if ' (' in e['layout'] else e['layout']} "
+        f"{e['plugin']}/{e['upstream']}/{e['nocache']} of {e['prompt_tokens']}"
+        for e in entries
+    )
+    steps_txt = ", ".join("/".join(_cell(s) for s in e["steps"]) for e in entries)
+    row("3 prefix reuse", f"{mode}: cached prompt tokens of the repeat ({len(entries)} layouts), "
+        "plugin/upstream 0.28.0/caching off",
+        f"plugin = upstream on {same}/{len(entries)}: {detail}; repeat prefill steps {steps_txt}",
+        "= upstream", same == len(entries))  # fmt: skip
+
+
+def _hot_rows(hot: dict[str, Any], row: Any) -> None:
+    sched = hot["schedule"]
+    per = sched["us_per_step"]
+    calls = sched["calls_per_step"]
+
+    def ms(q: dict[str, float]) -> str:
+        return f"{q['median'] / 1e3:.2f} [{q['p25'] / 1e3:.2f}-{q['p75'] / 1e3:.2f}]"
+
+    def ratio(q: dict[str, float]) -> str:
+        return f"{fmt(q['median'])} [{fmt(q['p25'])}-{fmt(q['p75'])}]"
+
+    def us(q: dict[str, float]) -> str:
+        return f"{fmt(q['median'], 2)} [{fmt(q['p25'], 2)}-{fmt(q['p75'], 2)}]"
+
+    row("1 hot path", "schedule() ms/step, one interleaved run, median [IQR]: stock; split only "
+        "(0.1.0-equivalent); split+encoder (now, watchdog on)",
+        f"stock {ms(per['stock'])}; split {ms(per['split'])}; split+encoder "
+        f"{ms(per['split+encoder'])}; n={sched['steps']} steps each, "
+        f"{sched['running_requests']} running, {calls['split']:.0f} split calls/step "
+        f"({calls['split_slow']:.0f} off the fast path), {calls['encoder']:.0f} encoder calls/step "
+        f"({calls['encoder_zero']:.0f} returned 0), watchdog after "
+        f"{sched['watchdog']['stall_seconds']} s, {sched['diverged_steps']} diverged")  # fmt: skip
+    ratios = sched["ratio"]
+    for key, what in (
+        ("split/stock", "split only (0.1.0-equivalent) / stock"),
+        ("split+encoder/stock", "split+encoder (now) / stock"),
+    ):
+        q = ratios[key]
+        row("1 hot path", f"schedule() {what}, per-step ratio, median [IQR]", ratio(q),
+            f"<= {TARGET_SCHEDULE_RATIO}", q["median"] <= TARGET_SCHEDULE_RATIO)  # fmt: skip
+    q = ratios["split+encoder/split"]
+    row("1 hot path", "schedule() split+encoder / split only: what the encoder wrapper and "
+        "watchdog add, per-step ratio, median [IQR]", ratio(q),
+        "1 inside the IQR (not measurable)", q["p25"] <= 1 <= q["p75"])  # fmt: skip
+    row("1 hot path", "added us per call, from schedule() (paired per-step differences / calls "
+        "per step), median [IQR]",
+        f"split wrapper {us(sched['added_us_per_split_call'])} per split call; encoder wrapper "
+        f"{us(sched['added_us_per_encoder_call'])} per encoder call (noisy)")  # fmt: skip
+    scope = hot.get("scope_first_call")
+    if scope:
+        row("1 hot path", "one-off: first scope check (builds pluggy manager, scans entry "
+            "points) inside a schedule() step",
+            f"{fmt(scope['first_us'] / 1e3, 2)} ms once; later "
+            f"{fmt(scope['later_us'], 1)} us")  # fmt: skip
+    for case, m in hot["micro"].items():
+        added = m["added_us"]
+        fast = m.get("kind", "fast") == "fast"
+        proto = ", ".join(f"{k} {fmt(v, 3)}" for k, v in m.get("prototype_added_us", {}).items())
+        extra = f"; prototypes: {proto}" if proto else ""
+        if m.get("over_bare_us") and case.startswith("encoder"):
+            extra += f"; wrapper - bare wrapper {fmt(m['over_bare_us']['median'], 3)}"
+        row("1 hot path", f"microbench added us/call: {case}",
+            f"{fmt(added['median'], 3)} [{fmt(added['p25'], 3)}-{fmt(added['p75'], 3)}] "
+            f"(original {fmt(m['original_us'], 3)} us, returns {m['stock_result']}"
+            f"->{m['patched_result']}){extra}",
+            f"< {TARGET_ADDED_US}" if fast else m.get("kind", _slow_label(case)),
+            added["median"] < TARGET_ADDED_US if fast else None)  # fmt: skip
+
+
+def _startup_and_e2e_rows(results: dict[str, Any], row: Any) -> None:
     # 4. start-up
     hook = _task(results, "main", "startup_hook")
     warm = _task(results, "main", "startup_warm")
@@ -328,7 +442,6 @@ def analyse(results: dict[str, Any]) -> dict[str, Any]:
     else:
         reason = e2e.get("skipped") or e2e.get("error") or json.dumps(e2e.get("arms", {}))[:300]
         row("5 end to end", "two-image request wall time, plugin/caching-off", f"n/a: {reason}")
-    return {"rows": rows, "layouts": layouts, "plugin_more_steps_than_upstream": worse}
 
 
 # --------------------------------------------------------------------------- output
@@ -347,26 +460,62 @@ def markdown(analysis: dict[str, Any], meta: dict[str, Any]) -> str:
     for r in analysis["rows"]:
         cells = (r["section"], r["measure"], r["result"], r["target"], r["met"])
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    if analysis["layouts"]:
+    modes = sched_steps.MODE_NAMES
+    by_layout: dict[str, dict[str, dict[str, Any]]] = {}
+    for x in analysis["layouts"]:
+        by_layout.setdefault(x["layout"], {})[x["mode"]] = x
+    if by_layout:
         lines += [
             "",
-            "Steps until the two-image request finishes prefill, per layout "
-            "(text before/image/text between/image/text after; block 1056, budget 8192, "
-            "encoder cache 16,384; stall = no progress for 25 steps):",
+            "Steps until the two-image request finishes prefill, per layout and mode, as "
+            "plugin 0.27.1 / stock 0.28.0 / caching off 0.27.1 / stock 0.27.1 (text "
+            "before/image/text between/image/text after; budget 8192, encoder cache 16,384, "
+            "block 1056, 1072 under MTP K=2; stall = no progress for 25 steps):",
             "",
-            "| layout | plugin 0.27.1 | stock 0.28.0 | caching off 0.27.1 | stock 0.27.1 |",
-            "|---|---|---|---|---|",
+            "| layout | " + " | ".join(modes) + " |",
+            "|---|" + "---|" * len(modes),
         ]
-        for x in analysis["layouts"]:
-            cells = [x["layout"], *(_cell(x[a]) for a in ("plugin", "upstream", "nocache",
-                                                          "stock"))]  # fmt: skip
+        for layout, per_mode in by_layout.items():
+            cells = [layout]
+            for mode in modes:
+                x = per_mode.get(mode)
+                arms = ("plugin", "upstream", "nocache", "stock")
+                cells.append("/".join(_cell(x[a]) for a in arms) if x else "n/a")
+            lines.append("| " + " | ".join(cells) + " |")
+    if analysis.get("stall_layouts"):
+        lines += [
+            "",
+            "Images 0-1 tokens apart under MTP K=2 (vLLM's deferred encoder-cache free, issue "
+            "11): steps, or where the request parked:",
+            "",
+            "| layout | mode | plugin 0.27.1 | stock 0.28.0 | caching off 0.27.1 | stock 0.27.1 |",
+            "|---|---|---|---|---|---|",
+        ]
+        for x in analysis["stall_layouts"]:
+            cells = [x["layout"], x["mode"]]
+            for arm in ("plugin", "upstream", "nocache", "stock"):
+                at = x.get(f"{arm}_stall_at")
+                cells.append(f"stall at {at}" if x[arm] is None else _cell(x[arm]))
+            lines.append("| " + " | ".join(cells) + " |")
+    if analysis.get("prefix"):
+        lines += [
+            "",
+            "Prefix reuse: cached prompt tokens of the repeated request (repeat prefill steps):",
+            "",
+            "| layout | mode | prompt | plugin 0.27.1 | stock 0.28.0 | caching off 0.27.1 |",
+            "|---|---|---|---|---|---|",
+        ]
+        for e in analysis["prefix"]:
+            arms = zip(("plugin", "upstream", "nocache"), e["steps"], strict=True)
+            cells = [e["layout"], e["mode"], str(e["prompt_tokens"])]
+            cells += [f"{e[a]} ({_cell(n)})" for a, n in arms]
             lines.append("| " + " | ".join(cells) + " |")
     worse = analysis["plugin_more_steps_than_upstream"]
     lines += ["", f"Layouts where the plugin needs more steps than 0.28.0: {len(worse)}"]
     for w in worse:
         lines.append(
-            f"- {w['layout']}: plugin {_cell(w['plugin_steps'])} {w['plugin_chunks']}; "
-            f"0.28.0 {_cell(w['upstream_steps'])} {w['upstream_chunks']}"
+            f"- {w['layout']} ({w['mode']}): plugin {_cell(w['plugin_steps'])} "
+            f"{w['plugin_chunks']}; 0.28.0 {_cell(w['upstream_steps'])} {w['upstream_chunks']}"
         )
     return "\n".join(lines) + "\n"
 
@@ -380,7 +529,10 @@ def console_table(analysis: dict[str, Any]) -> str:
     worse = analysis["plugin_more_steps_than_upstream"]
     out.append(f"layouts where the plugin needs more steps than 0.28.0: {len(worse)}")
     for w in worse:
-        out.append(f"  {w['layout']}: plugin {w['plugin_chunks']}; 0.28.0 {w['upstream_chunks']}")
+        out.append(
+            f"  {w['layout']} ({w['mode']}): plugin {w['plugin_chunks']}; "
+            f"0.28.0 {w['upstream_chunks']}"
+        )
     return "\n".join(out)
 
 

@@ -1,4 +1,4 @@
-"""Sections 2 and 3: scheduling steps of the two-image request, and prefix reuse.
+"""Sections 2 and 3: scheduling steps of the two-image request, and prefix reuse, per mode.
 
 Arms (``benchmarks.worker`` runs them; the 0.27.1 ones share one process):
 
@@ -6,6 +6,15 @@ Arms (``benchmarks.worker`` runs them; the 0.27.1 ones share one process):
 - ``upstream``: stock vLLM 0.28.0 (upstream's own fix) through the release overlay;
 - ``nocache``: vLLM 0.27.1 with prefix caching off (the common workaround);
 - ``stock``: vLLM 0.27.1 as shipped (context: where it stalls).
+
+Modes (issue 10), each arm in each: ``sync``, ``async`` (the real ``AsyncScheduler``, driven
+the engine's way), ``sync+mtp2`` and ``async+mtp2`` (a real ``SpeculativeConfig(method="mtp",
+num_speculative_tokens=2)``; the block size under MTP comes from vLLM: 1072, not 1056).
+
+Every sweep layout has at least 2 text tokens between its images (Qwen's template puts
+``<|vision_end|><|vision_start|>`` there). Images 0-1 tokens apart under MTP meet a separate
+vLLM hang (the deferred encoder-cache free, issue 11), measured on their own
+(``stall_layouts``), not in the sweep.
 
 Every arm runs the real ``Scheduler`` through ``tools.sched_harness``.
 """
@@ -27,6 +36,37 @@ ARMS: dict[str, dict[str, str]] = {
     "stock": {"release": "0.27.1", "what": "stock 0.27.1"},
 }
 ISSUE_IMAGE_TOKENS = 11_844
+# Fewest text tokens between two images in the sweep: Qwen's template gap.
+MIN_SWEEP_GAP = 2
+
+
+@dataclass(frozen=True)
+class BenchMode:
+    """How the engine drives the scheduler (``HarnessConfig`` fields of the same names)."""
+
+    name: str
+    speculative_tokens: int = 0
+    async_scheduling: bool = False
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_tokens > 0
+
+    def apply(self, cfg: Any) -> Any:
+        if not (self.speculative_tokens or self.async_scheduling):
+            return cfg
+        return dataclasses.replace(
+            cfg, speculative_tokens=self.speculative_tokens, async_scheduling=self.async_scheduling
+        )
+
+
+MODES: tuple[BenchMode, ...] = (
+    BenchMode("sync"),
+    BenchMode("async", async_scheduling=True),
+    BenchMode("sync+mtp2", speculative_tokens=2),
+    BenchMode("async+mtp2", speculative_tokens=2, async_scheduling=True),
+)
+MODE_NAMES = tuple(m.name for m in MODES)
 
 
 @dataclass(frozen=True)
@@ -52,35 +92,51 @@ class Layout:
 # vLLM issue #40707: block 1056, two 11,844-token images, budget 8192, encoder cache 16,384
 # (tools/scenarios.py TWO_IMAGES).
 ISSUE_LAYOUT = Layout(100, 50, 200, name="issue-40707")
+# Issue 10: the Qwen chat template's 2 tokens between images (tools/scenarios.py ISSUE_10).
+QWEN_TEMPLATE_LAYOUT = Layout(4, 2, 20, name="qwen-template")
 
 
 def sweep(profile: str) -> list[Layout]:
     if profile == "smoke":
-        return [ISSUE_LAYOUT, Layout(16, 1056, 1), Layout(5000, 8, 3000, 8_500),
-                Layout(100, 50, 200, text_ahead=3_000)]  # fmt: skip
-    layouts = [ISSUE_LAYOUT]
-    # 8,500 to 16,000-token images: only one fits the 16,384-token encoder cache at a time
-    # (the deadlock's precondition); 3,000: both fit (control).
-    for image in (3_000, 8_500, ISSUE_IMAGE_TOKENS, 16_000):
-        for before in (16, 1_000, 5_000):
-            for between in (8, 1_056, 4_000):
-                for after in (1, 200, 3_000):
-                    layouts.append(Layout(before, between, after, image))
-    # Behind a text request that takes part of each step's budget.
-    for ahead in (3_000, 30_000):
-        for before, between, after, image in (
-            (100, 50, 200, ISSUE_IMAGE_TOKENS),
-            (16, 1_056, 1, 8_500),
-            (1_000, 4_000, 200, 3_000),
-        ):
-            layouts.append(Layout(before, between, after, image, text_ahead=ahead))
+        layouts = [ISSUE_LAYOUT, QWEN_TEMPLATE_LAYOUT, Layout(16, 1056, 1),
+                   Layout(5000, 8, 3000, 8_500),
+                   Layout(100, 50, 200, text_ahead=3_000)]  # fmt: skip
+    else:
+        layouts = [ISSUE_LAYOUT, QWEN_TEMPLATE_LAYOUT]
+        # 8,500 to 16,000-token images: only one fits the 16,384-token encoder cache at a time
+        # (the deadlock's precondition); 3,000: both fit (control).
+        for image in (3_000, 8_500, ISSUE_IMAGE_TOKENS, 16_000):
+            for before in (16, 1_000, 5_000):
+                for between in (8, 1_056, 4_000):
+                    for after in (1, 200, 3_000):
+                        layouts.append(Layout(before, between, after, image))
+        # Behind a text request that takes part of each step's budget.
+        for ahead in (3_000, 30_000):
+            for before, between, after, image in (
+                (100, 50, 200, ISSUE_IMAGE_TOKENS),
+                (16, 1_056, 1, 8_500),
+                (1_000, 4_000, 200, 3_000),
+            ):
+                layouts.append(Layout(before, between, after, image, text_ahead=ahead))
+    assert all(x.between >= MIN_SWEEP_GAP for x in layouts)
+    return layouts
+
+
+def stall_layouts(profile: str) -> list[Layout]:
+    """Images 0-1 tokens apart: under MTP, vLLM's deferred encoder-cache free parks the request
+    one token short of image 1's end on 0.25-0.32 (issue 11; the plugin's speculative-stall
+    rule ends it). Run in the MTP modes only."""
+    layouts = [Layout(100, 0, 200, name="gap-0"), Layout(100, 1, 200, name="gap-1")]
+    if profile == "full":
+        layouts += [Layout(16, 0, 1, 8_500, name="gap-0"), Layout(1_000, 1, 3_000, 16_000,
+                                                                   name="gap-1")]  # fmt: skip
     return layouts
 
 
 def prefix_layouts(profile: str) -> list[Layout]:
     if profile == "smoke":
         return [ISSUE_LAYOUT]
-    return [ISSUE_LAYOUT, Layout(16, 1056, 1), Layout(1000, 4000, 200, 8_500),
+    return [ISSUE_LAYOUT, QWEN_TEMPLATE_LAYOUT, Layout(16, 1056, 1), Layout(1000, 4000, 200, 8_500),
             Layout(5000, 8, 3000, 16_000)]  # fmt: skip
 
 
@@ -140,14 +196,15 @@ def _spec(layout: Layout, request_id: str, seed: int) -> Any:
     return dataclasses.replace(spec, seed=seed)
 
 
-def _harness(arm: str) -> Any:
+def _harness(arm: str, mode: BenchMode) -> Any:
     from tools.scenarios import ISSUE_CONFIG
     from tools.sched_harness import Harness
 
+    cfg = mode.apply(ISSUE_CONFIG)
     if arm == "nocache":
         with _prefix_caching_off():
-            return Harness(ISSUE_CONFIG)
-    return Harness(ISSUE_CONFIG)
+            return Harness(cfg)
+    return Harness(cfg)
 
 
 def _prefill_steps(result: Any, request_id: str, first_step: int) -> int | None:
@@ -164,10 +221,10 @@ def _spans(result: Any, request_id: str) -> list[list[int]]:
     return [[s, min(e, prompt)] for _, s, e in result.chunks.get(request_id, []) if s < prompt]
 
 
-def measure_steps(arm: str, layout: Layout) -> dict[str, Any]:
+def measure_steps(arm: str, layout: Layout, mode: BenchMode) -> dict[str, Any]:
     from tools.scenarios import text_request
 
-    harness = _harness(arm)
+    harness = _harness(arm, mode)
     if layout.text_ahead:
         harness.add(dataclasses.replace(text_request("ahead", layout.text_ahead), seed=99))
     harness.add(_spec(layout, "img", seed=1))
@@ -178,13 +235,14 @@ def measure_steps(arm: str, layout: Layout) -> dict[str, Any]:
         "chunks": _spans(result, "img"),
         "violations": len(result.violations()),
         "completed": result.completed,
+        "stall_at": result.stall_at.get("img"),
         "block_size": result.block_size,
     }
 
 
-def measure_prefix(arm: str, layout: Layout) -> dict[str, Any]:
+def measure_prefix(arm: str, layout: Layout, mode: BenchMode) -> dict[str, Any]:
     """The same two-image request twice, one after the other; cached tokens of the second."""
-    harness = _harness(arm)
+    harness = _harness(arm, mode)
     with _content_keyed_images("same-content"):
         harness.add(_spec(layout, "first", seed=7))
         first = harness.run(max_steps=200, stall_steps=25)
@@ -208,8 +266,35 @@ def measure_prefix(arm: str, layout: Layout) -> dict[str, Any]:
     return out
 
 
+def run_mode(arm: str, mode: BenchMode, profile: str) -> dict[str, Any]:
+    """Every layout in ``mode``, or why this release cannot build the mode."""
+    from tools import sched_harness
+
+    unsupported = getattr(sched_harness, "ModeUnsupported", ())
+    try:
+        block_size = _harness(arm, mode).block_size
+    except unsupported as exc:
+        return {"unsupported": str(exc)}
+    return {
+        "block_size": block_size,
+        "steps": [measure_steps(arm, layout, mode) for layout in sweep(profile)],
+        "stall": (
+            [measure_steps(arm, layout, mode) for layout in stall_layouts(profile)]
+            if mode.speculative
+            else []
+        ),
+        "prefix": [measure_prefix(arm, layout, mode) for layout in prefix_layouts(profile)],
+    }
+
+
+def _wrapped(name: str) -> bool:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return getattr(Scheduler.__dict__.get(name), "__wrapped__", None) is not None
+
+
 def run_arm_here(arm: str, profile: str) -> dict[str, Any]:
-    """Run one arm in this process (its release must be the imported vLLM)."""
+    """Run one arm, every mode, in this process (its release must be the imported vLLM)."""
     from tools import sched_harness
 
     expected = ARMS[arm]["release"]
@@ -217,19 +302,22 @@ def run_arm_here(arm: str, profile: str) -> dict[str, Any]:
     if version != expected:
         raise SystemExit(f"arm {arm} expected vLLM {expected}, imported {version}")
     sched_harness.unload_plugin()
+    methods = ("_mamba_block_aligned_split", "_try_schedule_encoder_inputs")
     if arm == "plugin":
         os.environ.pop("VLLM_MAMBA_FIX", None)
         sched_harness.load_plugins()
-        if not sched_harness.split_is_wrapped():
-            raise SystemExit("the plugin did not patch the scheduler")
-    elif sched_harness.split_is_wrapped():
-        raise SystemExit(f"arm {arm} must run stock vLLM, but the split is wrapped")
+        if not all(_wrapped(m) for m in methods):
+            raise SystemExit(f"the plugin did not patch both {methods}")
+    elif any(_wrapped(m) for m in methods):
+        raise SystemExit(f"arm {arm} must run stock vLLM, but the scheduler is wrapped")
     return {
         "arm": arm,
         "vllm": version,
-        "steps": [measure_steps(arm, layout) for layout in sweep(profile)],
-        "prefix": [measure_prefix(arm, layout) for layout in prefix_layouts(profile)],
+        "modes": {mode.name: run_mode(arm, mode, profile) for mode in MODES},
     }
 
 
-__all__ = ["ARMS", "ISSUE_LAYOUT", "Layout", "prefix_layouts", "run_arm_here", "sweep"]
+__all__ = [
+    "ARMS", "ISSUE_LAYOUT", "MODES", "BenchMode", "Layout", "prefix_layouts", "run_arm_here",
+    "stall_layouts", "sweep",
+]  # fmt: skip

@@ -11,6 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("1 hot path", "2 steps", "3 prefix reuse", "4 start-up", "5 end to end")
+MODES = {"sync", "async", "sync+mtp2", "async+mtp2"}
+HOT_PATH_ARMS = {"stock", "split", "split+encoder"}
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +45,17 @@ def test_sections_ran_without_errors(smoke: tuple[str, dict, str]) -> None:
     _, data, _ = smoke
     errors = [r for r in data["analysis"]["rows"] if r["result"].startswith("error")]
     assert not errors, errors
-    # The step comparison covered every smoke layout in all four arms.
+    # The step comparison covered every smoke layout in all four arms, in every mode.
     layouts = data["analysis"]["layouts"]
     assert layouts and all(set(x) >= {"plugin", "upstream", "nocache", "stock"} for x in layouts)
+    assert {x["mode"] for x in layouts} == MODES
+    assert {x["mode"] for x in data["analysis"]["prefix"]} == MODES
+    # Images 0-1 tokens apart: measured under MTP only, outside the sweep.
+    stalls = data["analysis"]["stall_layouts"]
+    assert stalls and {x["mode"] for x in stalls} == {m for m in MODES if "mtp" in m}
+    # The hot path ran its three arms side by side.
+    hot = data["results"]["main"]["hotpath"]["schedule"]
+    assert set(hot["us_per_step"]) == HOT_PATH_ARMS
 
 
 def test_markdown_table_is_well_formed(smoke: tuple[str, dict, str]) -> None:
