@@ -339,6 +339,7 @@ def make_encoder_wrapper(
 ) -> Callable[..., EncoderResult]:
     """Wrap ``_try_schedule_encoder_inputs``; only a result of 0 tokens is looked at."""
     zeros = ZeroStreaks()
+    streaks = zeros.by_request
     fall_back = _make_failure_reporter("the encoder-input check")
     clock = time.monotonic
 
@@ -410,7 +411,7 @@ def make_encoder_wrapper(
         )
         try:
             if result[1] or not num_new_tokens:
-                if zeros and request.request_id in zeros:
+                if streaks and request.request_id in streaks:
                     on_progress(request)
                 return result
             return on_zero(

@@ -32,34 +32,30 @@ class ZeroStreaks:
     """Consecutive 0-token results per request, bounded in size."""
 
     def __init__(self, capacity: int = _MAX_TRACKED_REQUESTS) -> None:
-        self._streaks: OrderedDict[str, Streak] = OrderedDict()
+        # Read-only outside this class; the hot path tests it directly (a
+        # dict's truth and membership are C calls, a __bool__ is not).
+        self.by_request: OrderedDict[str, Streak] = OrderedDict()
         self._capacity = capacity
         self._lock = threading.Lock()
-
-    def __bool__(self) -> bool:
-        return bool(self._streaks)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._streaks
 
     def zero(self, request_id: str, position: int, now: float) -> tuple[Streak, Streak | None]:
         """Count a 0 at ``position``; returns the streak and one it ended by moving."""
         with self._lock:
-            streak = self._streaks.pop(request_id, None)
+            streak = self.by_request.pop(request_id, None)
             moved = None
             if streak is None or streak.position != position:
                 moved = streak
                 streak = Streak(position, 0, now)
             streak.steps += 1
-            self._streaks[request_id] = streak
-            if len(self._streaks) > self._capacity:
-                self._streaks.popitem(last=False)
+            self.by_request[request_id] = streak
+            if len(self.by_request) > self._capacity:
+                self.by_request.popitem(last=False)
             return streak, moved
 
     def clear(self, request_id: str) -> Streak | None:
         """The request got tokens: end its streak, returning it."""
         with self._lock:
-            return self._streaks.pop(request_id, None)
+            return self.by_request.pop(request_id, None)
 
 
 def watchdog_due(streak: Streak, now: float, seconds: float) -> bool:

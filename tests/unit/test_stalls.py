@@ -49,21 +49,22 @@ def test_release_matches_its_definition(
 
 def test_streaks_count_repeats_at_one_position() -> None:
     streaks = ZeroStreaks()
-    assert not streaks
+    assert not streaks.by_request
     first, moved = streaks.zero("r", 100, 0.0)
     assert (first.steps, moved) == (1, None)
     again, _ = streaks.zero("r", 100, 5.0)
     assert again.steps == REPEATED and again.since == 0.0
     elsewhere, moved = streaks.zero("r", 200, 6.0)
     assert elsewhere.steps == 1 and moved is not None and moved.position == 100
-    assert "r" in streaks and streaks.clear("r") is elsewhere and "r" not in streaks
+    assert "r" in streaks.by_request and streaks.clear("r") is elsewhere
+    assert "r" not in streaks.by_request
 
 
 def test_streaks_are_bounded() -> None:
     streaks = ZeroStreaks(capacity=3)
     for i in range(10):
         streaks.zero(f"r{i}", 0, 0.0)
-    assert [f"r{i}" in streaks for i in range(10)] == [False] * 7 + [True] * 3
+    assert list(streaks.by_request) == ["r7", "r8", "r9"]
 
 
 @given(steps=st.integers(1, 10), elapsed=st.floats(0, 100), seconds=st.floats(0, 100))
