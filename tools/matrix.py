@@ -2,8 +2,10 @@
 
 Each release runs in its own subprocess with that release's pure-Python
 `vllm` package first on PYTHONPATH (tools/releases.py), so the tests import
-its real `Scheduler`. Prints one row per release and writes the table as
-Markdown (and JSON) so the README table comes from a run:
+its real `Scheduler`. The suites and the probe run every harness mode (sync,
+async, sync+mtp2, async+mtp2; `--modes` or $VLLM_MAMBA_FIX_HARNESS_MODES
+narrows them). Prints one row per release and writes the table as Markdown
+(and JSON) so the README table comes from a run:
 
     python -m tools.matrix --ci                    # one release per family
     python -m tools.matrix                          # latest patch of every minor
@@ -31,6 +33,7 @@ from tools import releases
 
 REPO = Path(__file__).resolve().parent.parent
 REPORT_ENV = "VLLM_MAMBA_FIX_MATRIX_REPORT"
+MODES_ENV = "VLLM_MAMBA_FIX_HARNESS_MODES"  # tools.sched_harness.MODES_ENV (no vLLM import here)
 README_START = "<!-- matrix:start -->"
 README_END = "<!-- matrix:end -->"
 
@@ -49,7 +52,13 @@ def default_releases() -> list[str]:
 
 
 def probe() -> dict[str, Any]:
-    """Measure stock and patched behaviour of every scenario on the imported vLLM."""
+    """Measure stock and patched behaviour of every scenario on the imported vLLM,
+    in every selected harness mode.
+
+    `stock`/`patched`/`block_size` are the sync mode's (the table before issue
+    10); `modes` holds each mode's, or why the release cannot build it, and the
+    scenarios left out of it with the reason.
+    """
     import vllm_mamba_fix
     from tools import scenarios as sc
     from tools import sched_harness as harness
@@ -58,10 +67,25 @@ def probe() -> dict[str, Any]:
 
     version = harness.vllm_version()
     family = family_for(version)
+    modes = harness.selected_modes()
+    runnable: dict[str, list[Any]] = {}
+    per_mode: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        reason = harness.mode_unsupported_reason(mode)
+        skipped = {s.name: s.mode_skip_reason(mode) for s in sc.ALL}
+        per_mode[mode.name] = {
+            "unsupported": reason,
+            "skipped": {name: why for name, why in skipped.items() if why},
+        }
+        if not reason:
+            runnable[mode.name] = [s for s in sc.ALL if not skipped[s.name]]
+    by_name = {m.name: m for m in modes}
     saved = {k: os.environ.pop(k, None) for k in ("VLLM_MAMBA_FIX", "VLLM_PLUGINS")}
     try:
         harness.unload_plugin()
-        stock = {s.name: s.run() for s in sc.ALL}
+        stock = {
+            m: {s.name: s.run(by_name[m]) for s in scenarios} for m, scenarios in runnable.items()
+        }
         harness.load_plugins()
         default_active = harness.split_is_wrapped()
         if not default_active:
@@ -69,7 +93,9 @@ def probe() -> dict[str, Any]:
             harness.unload_plugin()
             harness.load_plugins()
         before = vllm_mamba_fix.stats()
-        patched = {s.name: s.run() for s in sc.ALL}
+        patched = {
+            m: {s.name: s.run(by_name[m]) for s in scenarios} for m, scenarios in runnable.items()
+        }
         after = vllm_mamba_fix.stats()
         harness.unload_plugin()
         # pytest has closed its streams by the time the exit summary would be logged.
@@ -79,28 +105,22 @@ def probe() -> dict[str, Any]:
             os.environ.pop(key, None)
             if value is not None:
                 os.environ[key] = value
+    for name in runnable:
+        per_mode[name].update(
+            block_size=next(iter(stock[name].values())).block_size,
+            stock={n: _summary(r) for n, r in stock[name].items()},
+            patched={n: _summary(r) for n, r in patched[name].items()},
+        )
+    first = harness.SYNC.name if harness.SYNC.name in runnable else next(iter(runnable), None)
     return {
         "version": version,
         "family": family.name,
         "architecture": harness.supported_architecture(),
-        "block_size": next(iter(stock.values())).block_size,
+        "block_size": per_mode[first]["block_size"] if first else None,
         "default_active": default_active,
-        "stock": {
-            name: {
-                "completed": r.completed,
-                "stall_at": r.stall_at,
-                "violations": len(r.violations()),
-            }
-            for name, r in stock.items()
-        },
-        "patched": {
-            name: {
-                "completed": r.completed,
-                "stall_at": r.stall_at,
-                "violations": len(r.violations()),
-            }
-            for name, r in patched.items()
-        },
+        "stock": per_mode[first]["stock"] if first else {},
+        "patched": per_mode[first]["patched"] if first else {},
+        "modes": per_mode,
         "actions": {k: after.get(k, 0) - before.get(k, 0) for k in after},
     }
 
@@ -110,6 +130,7 @@ def _summary(result: Any) -> dict[str, Any]:
         "completed": result.completed,
         "stall_at": result.stall_at,
         "violations": len(result.violations()),
+        "steps": result.steps,
     }
 
 
@@ -123,6 +144,8 @@ class Row:
     family: str = "?"
     stock: str = "?"
     plugin: str = "?"
+    # Mode name -> "stock ... -> plugin ..." cell (or why the mode cannot run).
+    modes: dict[str, str] = field(default_factory=dict)
     does: str = "?"
     result: str = "error"
     passed: int = 0
@@ -144,20 +167,50 @@ def _counts(junit: Path) -> tuple[int, int, int]:
     return total - failed - skipped, failed, skipped
 
 
-def _describe(row: Row, data: dict[str, Any]) -> None:
-    row.family = data["family"]
-    stock, patched = data["stock"], data["patched"]
+def _stock_text(stock: dict[str, Any]) -> str:
     stalls = [n for n, r in stock.items() if not r["completed"]]
-    if stalls:
-        first = stock[stalls[0]]["stall_at"]
-        where = ", ".join(f"{rid} @ {at}" for rid, at in first.items())
-        row.stock = f"stalls in {len(stalls)}/{len(stock)} scenarios ({stalls[0]}: {where})"
-    else:
-        row.stock = f"completes {len(stock)}/{len(stock)}"
+    if not stalls:
+        return f"completes {len(stock)}/{len(stock)}"
+    first = stock[stalls[0]]["stall_at"]
+    where = ", ".join(f"{rid} @ {at}" for rid, at in first.items())
+    return f"stalls in {len(stalls)}/{len(stock)} scenarios ({stalls[0]}: {where})"
+
+
+def _plugin_text(patched: dict[str, Any], default_active: bool) -> str:
     done = sum(r["completed"] for r in patched.values())
     bad = sum(r["violations"] for r in patched.values())
-    mode = "" if data["default_active"] else "force: "
-    row.plugin = f"{mode}completes {done}/{len(patched)}, {bad} boundary violations"
+    mode = "" if default_active else "force: "
+    return f"{mode}completes {done}/{len(patched)}, {bad} boundary violations"
+
+
+def _mode_cell(data: dict[str, Any], default_active: bool) -> str:
+    """One table cell: stock -> plugin in one mode, compact."""
+    if data.get("unsupported"):
+        reason = data["unsupported"]
+        if "does not register" in reason:
+            return "n/a: no Qwen3.5 (MTP)"
+        return f"n/a: {reason[:60]}"
+    stock, patched = data["stock"], data["patched"]
+    n = len(stock)
+    stalls = sum(not r["completed"] for r in stock.values())
+    done = sum(r["completed"] for r in patched.values())
+    bad = sum(r["violations"] for r in patched.values())
+    force = "" if default_active else "force "
+    cell = f"B {data['block_size']}: stock stalls {stalls}/{n}; {force}plugin completes {done}/{n}"
+    cell += f", {bad} violations" if bad else ""
+    if data.get("skipped"):
+        cell += f" ({len(data['skipped'])} gap<2 left out)"
+    return cell
+
+
+def _describe(row: Row, data: dict[str, Any]) -> None:
+    row.family = data["family"]
+    row.stock = _stock_text(data["stock"])
+    row.plugin = _plugin_text(data["patched"], data["default_active"])
+    row.modes = {
+        name: _mode_cell(mode, data["default_active"])
+        for name, mode in data.get("modes", {}).items()
+    }
     acts = data["actions"]
     summary = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in acts.items() if v) or "no change"
     if data["default_active"]:
@@ -205,13 +258,16 @@ def run_release(release: str, timeout: float, pytest_args: list[str]) -> Row:
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = [
-        "| release | family | stock | plugin | what the plugin does | tests |",
-        "|---|---|---|---|---|---|",
-    ]
+    """One row per release; one column per harness mode (stock -> plugin)."""
+    modes: list[str] = []
+    for r in rows:
+        modes += [m for m in r.modes if m not in modes]
+    header = ["release", "family", *modes, "what the plugin does (all modes)", "tests"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         tests = f"{r.result} ({r.passed} passed, {r.failed} failed, {r.skipped} skipped)"
-        lines.append(f"| {r.release} | {r.family} | {r.stock} | {r.plugin} | {r.does} | {tests} |")
+        cells = [r.modes.get(m, "?") for m in modes]
+        lines.append("| " + " | ".join([r.release, r.family, *cells, r.does, tests]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -234,8 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "results" / "matrix.md")
     parser.add_argument("--readme", type=Path, help="refresh the table between the markers")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments")
+    parser.add_argument(
+        "--modes",
+        help="comma list of harness modes (default: $VLLM_MAMBA_FIX_HARNESS_MODES or all four)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="print pytest tails")
     args = parser.parse_args(argv)
+    if args.modes:
+        os.environ[MODES_ENV] = args.modes  # inherited by every release's pytest
 
     chosen = (
         args.releases
@@ -263,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row.stock} | {row.plugin} | {row.does}",
                 flush=True,
             )
+            for mode, cell in row.modes.items():
+                print(f"    {mode:10} {cell}", flush=True)
             if args.verbose or row.result != "pass":
                 print("    " + row.detail.replace("\n", "\n    "), flush=True)
     total = time.monotonic() - started

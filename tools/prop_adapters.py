@@ -3,7 +3,8 @@
 - Requests whose image hashes do not depend on the request id, so a repeated
   request (same tokens, same images) can hit the prefix cache.
 - A scenario driver that submits requests at given steps (or when the request
-  they repeat has finished) and records which requests the plugin corrected.
+  they repeat has finished) and records which requests the plugin corrected,
+  in any harness mode (sync/async, with or without MTP: `drive(..., mode=)`).
 - The plugin loaded the engine's way, forced where a release leaves it off.
 - A runner for the suite on other releases through the release overlay:
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tools import sched_harness as harness
-from tools.sched_harness import HarnessConfig, RequestSpec
+from tools.sched_harness import SYNC, HarnessConfig, Mode, RequestSpec
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN_ENV = ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS")
@@ -62,18 +63,32 @@ class PropScenario:
     threshold: int
     requests: tuple[PropRequest, ...]
 
-    def config(self) -> HarnessConfig:
-        return HarnessConfig(
-            block_size=self.block_size,
-            max_num_batched_tokens=self.budget,
-            encoder_cache_tokens=self.encoder_cache,
-            long_prefill_token_threshold=self.threshold,
-            max_model_len=max(8192, max(r.prompt_len + r.max_tokens for r in self.requests) + 16),
+    def config(self, mode: Mode = SYNC) -> HarnessConfig:
+        return mode.apply(
+            HarnessConfig(
+                block_size=self.block_size,
+                max_num_batched_tokens=self.budget,
+                encoder_cache_tokens=self.encoder_cache,
+                long_prefill_token_threshold=self.threshold,
+                max_model_len=max(
+                    8192, max(r.prompt_len + r.max_tokens for r in self.requests) + 16
+                ),
+            )
         )
 
     @property
     def has_images(self) -> bool:
         return any(r.images for r in self.requests)
+
+    @property
+    def min_image_gap(self) -> int | None:
+        """Fewest text tokens between two consecutive images of one request."""
+        gaps = [
+            b[0] - (a[0] + a[1])
+            for r in self.requests
+            for a, b in zip(r.images, r.images[1:], strict=False)
+        ]
+        return min(gaps, default=None)
 
 
 def make_request(built: Any, req: PropRequest) -> Any:
@@ -117,11 +132,13 @@ class Trace:
         return min((s for s, _, _ in self.corrections), default=None)
 
 
-def drive(scenario: PropScenario, *, max_steps: int, stall_steps: int = 30) -> Trace:
+def drive(
+    scenario: PropScenario, *, max_steps: int, stall_steps: int = 30, mode: Mode = SYNC
+) -> Trace:
     """Submit the requests at their steps and step until all finished or stalled."""
     from vllm_mamba_fix import counters
 
-    h = harness.Harness(scenario.config())
+    h = harness.Harness(scenario.config(mode))
     corrections: list[tuple[int, str, str]] = []
     original_record = counters.record
 

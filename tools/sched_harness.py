@@ -5,7 +5,25 @@ manager, `EngineArgs(...).create_engine_config()`, vLLM's hybrid block-size
 alignment, its per-layer KV cache specs and `get_kv_cache_configs`.
 What is not: the model runner. Each step feeds `update_from_output()` a
 `ModelRunnerOutput` that samples one token for every request whose prefill
-finished, as vLLM's own tests/v1/core/test_scheduler.py does.
+finished (a partial prefill chunk samples nothing), as vLLM's own
+tests/v1/core/test_scheduler.py does, and accepts every draft token (but
+rejects vLLM's padding drafts of a request's last prompt step).
+
+Modes (`Mode`, `MODES`): {sync, async} x {no speculation, MTP K=2}.
+- `HarnessConfig(speculative_tokens=K)`: a real `SpeculativeConfig(method="mtp",
+  num_speculative_tokens=K)` that vLLM derives from the Qwen3.5 config
+  (`EngineArgs(speculative_config=...)`); the scheduler derives `use_eagle`,
+  the lookahead slots and the encoder shift from it, the Mamba spec gets
+  `num_speculative_blocks` as the model runner reports it, and the block size
+  comes from vLLM's alignment of the MTP-sized state. In sync mode the
+  drafter's tokens reach the scheduler through `update_draft_token_ids()`
+  after each step, as `EngineCore.post_step()` does.
+- `HarnessConfig(async_scheduling=True)`: the real `AsyncScheduler`, picked by
+  `SchedulerConfig.get_scheduler_cls()`, driven like `EngineCore`'s batch
+  queue (`step_with_batch_queue`): step N+1 is scheduled before step N's
+  output is fed back.
+Where a release cannot build a mode, `build_scheduler` raises
+`ModeUnsupported` with the reason (`mode_unsupported_reason()` asks once).
 
 Works on vLLM 0.15.0 ... 0.33.0; constructors and signatures that changed are
 adapted by introspection (`_call_with_supported`).
@@ -13,9 +31,11 @@ adapted by introspection (`_call_with_supported`).
 Typical use::
 
     h = Harness(HarnessConfig())                 # Qwen3.5-35B-A3B shape, block 1056
-    h.add(image_request(h, "r0", [(16, 11844), (11876, 11844)], prompt_len=23750))
+    h.add(RequestSpec("r0", 23750, ((16, 11844), (11876, 11844))))
     result = h.run(max_steps=200)
     result.completed, result.stalled, result.chunks["r0"]
+
+    h = Harness(ASYNC_MTP2.apply(HarnessConfig()))   # AsyncScheduler + MTP K=2
 """
 
 from __future__ import annotations
@@ -29,6 +49,7 @@ import json
 import os
 import sys
 import tempfile
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -61,6 +82,8 @@ QWEN35_TEXT_CONFIG: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "mamba_ssm_dtype": "float32",
     "dtype": "bfloat16",
+    # The released config has one MTP layer; vLLM's `mtp` method reads it.
+    "mtp_num_hidden_layers": 1,
     "rope_parameters": {
         "rope_type": "default",
         "rope_theta": 10000000,
@@ -161,6 +184,69 @@ class HarnessConfig:
     max_model_len: int = 65536
     # None: Qwen3.5 where the release registers it, else LFM2-VL.
     architecture: str | None = None
+    # 0: no speculative decoding; K > 0: SpeculativeConfig(method="mtp",
+    # num_speculative_tokens=K), derived by vLLM from the model config.
+    speculative_tokens: int = 0
+    # The real AsyncScheduler, driven like EngineCore's batch queue.
+    async_scheduling: bool = False
+
+    @property
+    def mode_name(self) -> str:
+        return mode_name(self.speculative_tokens, self.async_scheduling)
+
+
+def mode_name(speculative_tokens: int, async_scheduling: bool) -> str:
+    base = "async" if async_scheduling else "sync"
+    return f"{base}+mtp{speculative_tokens}" if speculative_tokens else base
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How the engine drives the scheduler: sync or async, with or without MTP."""
+
+    name: str
+    speculative_tokens: int = 0
+    async_scheduling: bool = False
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_tokens > 0
+
+    def apply(self, cfg: HarnessConfig) -> HarnessConfig:
+        return dataclasses.replace(
+            cfg,
+            speculative_tokens=self.speculative_tokens,
+            async_scheduling=self.async_scheduling,
+        )
+
+    def __str__(self) -> str:
+        return self.name
+
+
+SYNC = Mode("sync")
+ASYNC = Mode("async", async_scheduling=True)
+SYNC_MTP2 = Mode("sync+mtp2", speculative_tokens=2)
+ASYNC_MTP2 = Mode("async+mtp2", speculative_tokens=2, async_scheduling=True)
+MODES: tuple[Mode, ...] = (SYNC, ASYNC, SYNC_MTP2, ASYNC_MTP2)
+MODES_BY_NAME: dict[str, Mode] = {m.name: m for m in MODES}
+# Comma list of mode names (or "all") the suites run in this process; default all.
+MODES_ENV = "VLLM_MAMBA_FIX_HARNESS_MODES"
+
+
+def selected_modes() -> tuple[Mode, ...]:
+    """The modes named by $VLLM_MAMBA_FIX_HARNESS_MODES (default: all four)."""
+    raw = os.environ.get(MODES_ENV, "").strip()
+    if not raw or raw == "all":
+        return MODES
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODES_BY_NAME]
+    if unknown:
+        raise ValueError(f"{MODES_ENV}: unknown modes {unknown}; known: {list(MODES_BY_NAME)}")
+    return tuple(m for m in MODES if m.name in names)
+
+
+class ModeUnsupported(RuntimeError):
+    """This release cannot build the requested mode (the message says why)."""
 
 
 # --------------------------------------------------------------------------
@@ -203,11 +289,29 @@ def vllm_version() -> str:
 
 
 def _call_with_supported(fn: Callable[..., Any], **kwargs: Any) -> Any:
-    """Call `fn` with the keyword arguments its signature accepts (releases differ)."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    """Call `fn` with the keyword arguments its signature accepts (releases differ).
+
+    A class whose `__init__` only forwards `*args, **kwargs` (AsyncScheduler) is
+    read through the first base class that names its parameters.
+    """
+    params = _named_parameters(fn)
+    if params is None:
         return fn(**kwargs)
     return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def _named_parameters(fn: Callable[..., Any]) -> set[str] | None:
+    """Parameter names `fn` accepts; None when it takes any keyword."""
+    candidates = (
+        [c.__init__ for c in fn.__mro__ if "__init__" in c.__dict__] if isinstance(fn, type) else []
+    )
+    for candidate in [*candidates, fn] if candidates else [fn]:
+        params = inspect.signature(candidate).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return set(params)
+        if not isinstance(fn, type):
+            return None
+    return None
 
 
 def _dataclass_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -244,6 +348,24 @@ def model_dir(architecture: str) -> Path:
 def _engine_config(cfg: HarnessConfig, architecture: str, block_size: int | None) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    extra: dict[str, Any] = {}
+    if cfg.speculative_tokens:
+        if architecture != QWEN35_ARCH:
+            raise ModeUnsupported(
+                f"MTP needs Qwen3.5, which vLLM {vllm_version()} does not register "
+                f"(the stand-in {architecture} has no MTP head)"
+            )
+        if "speculative_config" not in fields:
+            raise ModeUnsupported(f"vLLM {vllm_version()} EngineArgs has no speculative_config")
+        extra["speculative_config"] = {
+            "method": "mtp",
+            "num_speculative_tokens": cfg.speculative_tokens,
+        }
+    if "async_scheduling" in fields:
+        extra["async_scheduling"] = cfg.async_scheduling
+    elif cfg.async_scheduling:
+        raise ModeUnsupported(f"vLLM {vllm_version()} EngineArgs has no async_scheduling")
     args = _call_with_supported(
         EngineArgs,
         model=str(model_dir(architecture)),
@@ -260,8 +382,16 @@ def _engine_config(cfg: HarnessConfig, architecture: str, block_size: int | None
         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         limit_mm_per_prompt={"image": 4, "video": 0},
         block_size=block_size,
+        **extra,
     )
-    return args.create_engine_config()
+    try:
+        return args.create_engine_config()
+    except Exception as exc:
+        if not (cfg.speculative_tokens or cfg.async_scheduling):
+            raise
+        raise ModeUnsupported(
+            f"vLLM {vllm_version()} cannot build {cfg.mode_name}: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _model_cls(vllm_config: Any) -> type:
@@ -354,7 +484,7 @@ def _kv_cache_specs(vllm_config: Any, model_cls: type) -> dict[str, Any]:
                 "page_size_padded": cache_config.mamba_page_size_padded,
                 "mamba_type": mamba_type,
                 "mamba_cache_mode": cache_config.mamba_cache_mode,
-                "num_speculative_blocks": 0,
+                "num_speculative_blocks": _num_speculative_blocks(vllm_config),
             },
         )
     )
@@ -373,7 +503,32 @@ def _kv_cache_specs(vllm_config: Any, model_cls: type) -> dict[str, Any]:
             specs[f"language_model.model.layers.{i}.self_attn.attn"] = attn
         else:
             specs[f"language_model.model.layers.{i}.mixer"] = mamba
+    # The runner also reports the drafter's layers: Qwen3.5's MTP layers are
+    # full-attention decoder layers of the same shape.
+    spec_config = vllm_config.speculative_config
+    if spec_config is not None:
+        draft = getattr(spec_config, "draft_model_config", None)
+        draft_text = getattr(draft, "hf_text_config", None) if draft is not None else None
+        n_mtp = getattr(draft_text, "mtp_num_hidden_layers", None) or getattr(
+            text_config, "mtp_num_hidden_layers", 1
+        )
+        # 0.33 marks the drafter's layers (`is_draft`) to find its KV cache group.
+        draft_attn = attn
+        if "is_draft" in {f.name for f in dataclasses.fields(attn)}:
+            draft_attn = dataclasses.replace(attn, is_draft=True)
+        for i in range(n_mtp):
+            specs[f"mtp.layers.{i}.self_attn.attn"] = draft_attn
     return specs
+
+
+def _num_speculative_blocks(vllm_config: Any) -> int:
+    """`MambaSpec.num_speculative_blocks` as `MambaBase.get_kv_cache_spec` reports it:
+    the speculative token count (0.33: 0 with `use_replayssm`)."""
+    if vllm_config.speculative_config is None:
+        return 0
+    if getattr(vllm_config.cache_config, "use_replayssm", False):
+        return 0
+    return int(vllm_config.speculative_config.num_speculative_tokens)
 
 
 @contextlib.contextmanager
@@ -461,13 +616,23 @@ class Built:
     hash_block_size: int
     block_hasher: Callable[..., Any] | None
     architecture: str
+    speculative_tokens: int = 0
+    async_scheduling: bool = False
+    # EngineCore's batch queue depth: vllm_config.max_concurrent_batches (1: sync).
+    batch_queue_size: int = 1
+
+    @property
+    def mode_name(self) -> str:
+        return mode_name(self.speculative_tokens, self.async_scheduling)
 
 
 def build_scheduler(cfg: HarnessConfig) -> Built:
-    """The real `Scheduler`, built the way `EngineCore` builds it."""
+    """The real `Scheduler` (or `AsyncScheduler`), built the way `EngineCore` builds it.
+
+    Raises `ModeUnsupported` when the release cannot build the requested mode.
+    """
     from vllm.multimodal import MULTIMODAL_REGISTRY
     from vllm.v1.core import kv_cache_utils as kcu
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     architecture = cfg.architecture or supported_architecture()
@@ -476,6 +641,22 @@ def build_scheduler(cfg: HarnessConfig) -> Built:
         forced_block = QWEN35_BLOCK_SIZE
     with _plugins_left_alone():
         vllm_config = _engine_config(cfg, architecture, None)
+    scheduler_config = vllm_config.scheduler_config
+    if cfg.async_scheduling:
+        # vLLM validated async scheduling with this config (an explicit True
+        # fails hard on incompatibilities, e.g. a non-EAGLE drafter), then the
+        # CPU platform's check_and_update_config turned it off ("async
+        # scheduling is not required on CPU"). GPU deployments keep it on, so
+        # set it back after validation; vLLM then picks AsyncScheduler and a
+        # batch queue of max_concurrent_batches (2) itself.
+        scheduler_config.async_scheduling = True
+    if cfg.speculative_tokens:
+        spec = vllm_config.speculative_config
+        if spec is None or not spec.use_eagle():
+            raise ModeUnsupported(
+                f"vLLM {vllm_version()} did not derive an EAGLE-type SpeculativeConfig "
+                f"from method 'mtp' (got {spec!r})"
+            )
     _align_block_size(vllm_config)
     cache_config = vllm_config.cache_config
     if forced_block is not None:
@@ -508,9 +689,14 @@ def build_scheduler(cfg: HarnessConfig) -> Built:
         )
         hash_block_size = block_size
 
+    scheduler_cls = scheduler_config.get_scheduler_cls()
+    if cfg.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        assert issubclass(scheduler_cls, AsyncScheduler), scheduler_cls
     with _no_processor_probe(vllm_config.model_config):
         scheduler = _call_with_supported(
-            Scheduler,
+            scheduler_cls,
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
@@ -530,8 +716,27 @@ def build_scheduler(cfg: HarnessConfig) -> Built:
     hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
     kcu.init_none_hash(hash_fn)
     block_hasher = kcu.get_request_block_hasher(hash_block_size, hash_fn)
+    # EngineCore's batch_queue_size: vllm_config.max_concurrent_batches (before
+    # 0.2x the executor's, which is 2 with async scheduling at PP 1).
+    queue = int(getattr(vllm_config, "max_concurrent_batches", 2 if cfg.async_scheduling else 1))
     return Built(scheduler, vllm_config, cache_config.block_size, hash_block_size,
-                 block_hasher, architecture)  # fmt: skip
+                 block_hasher, architecture, cfg.speculative_tokens, cfg.async_scheduling,
+                 queue)  # fmt: skip
+
+
+_MODE_SUPPORT: dict[tuple[int, bool], str | None] = {}
+
+
+def mode_unsupported_reason(mode: Mode) -> str | None:
+    """Why this release cannot build `mode` (None: it can). Asked once per process."""
+    key = (mode.speculative_tokens, mode.async_scheduling)
+    if key not in _MODE_SUPPORT:
+        try:
+            build_scheduler(mode.apply(HarnessConfig()))
+            _MODE_SUPPORT[key] = None
+        except ModeUnsupported as exc:
+            _MODE_SUPPORT[key] = str(exc)
+    return _MODE_SUPPORT[key]
 
 
 # --------------------------------------------------------------------------
@@ -620,6 +825,7 @@ class RunResult:
     finished: set[str]
     stalled: bool  # no request progressed for `stall_steps` consecutive steps
     stall_at: dict[str, int]  # num_computed_tokens of each unfinished request at the end
+    mode: str = "sync"  # Mode.name the scheduler ran in
 
     @property
     def completed(self) -> bool:
@@ -646,7 +852,7 @@ class RunResult:
 
 
 class Harness:
-    """One scheduler, a set of requests, and a step loop."""
+    """One scheduler, a set of requests, and a step loop (the same for every mode)."""
 
     def __init__(self, cfg: HarnessConfig | None = None) -> None:
         self.cfg = cfg or HarnessConfig()
@@ -656,6 +862,12 @@ class Harness:
         self.chunks: dict[str, list[tuple[int, int, int]]] = {}
         self.finished: set[str] = set()
         self.step_index = 0
+        # Scheduled batches whose output has not been fed back yet, oldest first.
+        self._in_flight: deque[tuple[Any, Any]] = deque()
+
+    @property
+    def mode(self) -> str:
+        return self.built.mode_name
 
     @property
     def block_size(self) -> int:
@@ -669,23 +881,69 @@ class Harness:
             self.scheduler.add_request(request)
 
     def step(self) -> dict[str, Chunk]:
-        """One schedule() + update_from_output(); returns the chunks scheduled."""
+        """One engine-core iteration; returns the chunks scheduled in it.
+
+        Sync (batch queue of 1, `EngineCore.step`): schedule, feed the output
+        back, then hand the drafter's tokens to the scheduler (MTP).
+        Async (`EngineCore.step_with_batch_queue`, queue of 2): schedule; while
+        the queue is not full, return without output; else feed back the
+        oldest batch. So step N+1 is scheduled before step N's output arrives.
+        """
+        scheduler = self.scheduler
+        step_chunks: dict[str, Chunk] = {}
+        if scheduler.has_requests():
+            output = scheduler.schedule()
+            step_chunks = self._record(output)
+            self._in_flight.append((output, self._runner_output(output)))
+            if len(self._in_flight) < self.built.batch_queue_size and scheduler.has_requests():
+                self.step_index += 1
+                return step_chunks
+        elif not self._in_flight:
+            self.step_index += 1
+            return step_chunks
+        output, runner_output = self._in_flight.popleft()
+        scheduler.update_from_output(output, runner_output)
+        if self.built.speculative_tokens and not self.built.async_scheduling:
+            self._feed_drafts(runner_output)
+        for rid, request in self.requests.items():
+            if rid not in self.finished and request.is_finished():
+                self.finished.add(rid)
+        self.step_index += 1
+        return step_chunks
+
+    def _record(self, output: Any) -> dict[str, Chunk]:
+        step_chunks: dict[str, Chunk] = {}
+        for rid, n in output.num_scheduled_tokens.items():
+            # schedule() has already advanced num_computed_tokens.
+            end = self.requests[rid].num_computed_tokens
+            step_chunks[rid] = (end - n, end)
+            self.chunks[rid].append((self.step_index, end - n, end))
+        return step_chunks
+
+    def _runner_output(self, output: Any) -> Any:
+        """What the model runner returns for `output`, decided when it is scheduled.
+
+        A partial prefill chunk samples nothing; any other chunk samples one
+        token and accepts every draft token scheduled with it, except in the
+        step that computes the last prompt token: no drafter has run for the
+        request yet, so drafts there are vLLM's padding (`pad_spec_decode`,
+        -1 placeholders) and are all rejected.
+        """
         from vllm.v1.outputs import ModelRunnerOutput
 
-        output = self.scheduler.schedule()
-        scheduled: dict[str, int] = dict(output.num_scheduled_tokens)
-        step_chunks: dict[str, Chunk] = {}
-        req_ids = list(scheduled)
+        req_ids = list(output.num_scheduled_tokens)
+        drafts = getattr(output, "scheduled_spec_decode_tokens", None) or {}
         sampled: list[list[int]] = []
         for rid in req_ids:
             request = self.requests[rid]
-            # schedule() has already advanced num_computed_tokens.
             end = request.num_computed_tokens
-            start = end - scheduled[rid]
-            step_chunks[rid] = (start, end)
-            self.chunks[rid].append((self.step_index, start, end))
-            sampled.append([7] if end >= request.num_tokens else [])
-        runner_output = ModelRunnerOutput(
+            if end < request.num_tokens:
+                sampled.append([])
+            elif end - output.num_scheduled_tokens[rid] < request.num_prompt_tokens:
+                sampled.append([7])
+            else:
+                sampled.append([7] * (1 + len(drafts.get(rid, ()))))
+        return ModelRunnerOutput(
             **_dataclass_kwargs(
                 ModelRunnerOutput,
                 {
@@ -698,12 +956,20 @@ class Harness:
                 },
             )
         )
-        self.scheduler.update_from_output(output, runner_output)
-        for rid, request in self.requests.items():
-            if rid not in self.finished and request.is_finished():
-                self.finished.add(rid)
-        self.step_index += 1
-        return step_chunks
+
+    def _feed_drafts(self, runner_output: Any) -> None:
+        """`EngineCore.post_step()` in sync mode: the drafter proposed K tokens for
+        every request that sampled one."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        k = self.built.speculative_tokens
+        req_ids = [
+            rid
+            for rid, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids,
+                                   strict=True)
+            if len(tokens)
+        ]  # fmt: skip
+        self.scheduler.update_draft_token_ids(DraftTokenIds(req_ids, [[7] * k for _ in req_ids]))
 
     def advance(self) -> bool:
         """One step; whether any request computed tokens or finished in it."""
@@ -738,6 +1004,7 @@ class Harness:
                 for rid, r in self.requests.items()
                 if rid not in self.finished
             },
+            mode=self.mode,
         )
 
 

@@ -1,4 +1,9 @@
-"""Strategies, invariant checks, profiles and run figures of the property suite (issue 5)."""
+"""Strategies, invariant checks, profiles and run figures of the property suite (issue 5).
+
+Every scenario runs in one harness mode (issue 10: {sync, async} x {no
+speculation, MTP K=2}); the invariants are the same in every mode, with the
+step bound and the decode-chunk shape following the mode (see each check).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from hypothesis import strategies as st
 
 from tools import prop_adapters as pa
 from tools.prop_adapters import PropRequest, PropScenario, Trace
+from tools.scenarios import deferred_free_hang, deferred_free_hang_gap
+from tools.sched_harness import SYNC, Mode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +45,10 @@ if PROFILE_NAME not in ("ci", "long"):
 
 
 def profile(ci_examples: int) -> settings:
-    """Settings for one test: the active profile, with the test's own ci size."""
+    """Settings for one test: the active profile, with the test's own ci size.
+
+    The ci size is per harness mode: a test runs it once in each mode.
+    """
     base = settings.get_profile(PROFILE_NAME)
     if PROFILE_NAME == "ci":
         return settings(base, max_examples=_CI_EXAMPLES or ci_examples)
@@ -66,11 +76,32 @@ CHUNK_LENGTH_FAMILY = FAMILY.stock_stays_misaligned
 SUB_BLOCK_CAP_HANGS_TEXT = CHUNK_LENGTH_FAMILY or FAMILY.name == "0.26"
 
 
+# Image gaps named explicitly: 0 (Gemma/LFM2-VL ranges include their markers),
+# 1, and 2 (Qwen's <|vision_end|><|vision_start|>). Under EAGLE-type
+# speculation gaps below 2 meet a separate vLLM hang (tools.scenarios.
+# deferred_free_hang_gap); `min_image_gap` keeps them out there.
+NAMED_IMAGE_GAPS = (0, 1, 2)
+
+
+def min_image_gap_for(mode: Mode, version: str) -> int:
+    """The smallest image gap the generator may draw in `mode` on `version`."""
+    return deferred_free_hang_gap(version) if mode.speculative else 0
+
+
 @st.composite
 def request_bodies(
-    draw: st.DrawFn, block: int, budget: int, with_images: bool, long: bool = False
+    draw: st.DrawFn,
+    block: int,
+    budget: int,
+    with_images: bool,
+    long: bool = False,
+    min_image_gap: int = 0,
 ) -> tuple[int, tuple[tuple[int, int], ...]]:
-    """A prompt: text runs before, between and after 0-4 images of varied sizes."""
+    """A prompt: text runs before, between and after 0-4 images of varied sizes.
+
+    Between two images the run is at least `min_image_gap` tokens, and gaps
+    0, 1 and 2 (those at or above the minimum) are drawn explicitly.
+    """
     n_images = draw(st.integers(0, 4)) if with_images else 0
     # A long prompt runs several chunks, leaving block-aligned states to hit.
     first = draw(st.integers(block, 2 * block + 2 * budget)) if long else 0
@@ -79,7 +110,14 @@ def request_bodies(
     text = st.one_of(
         st.integers(0, 64), st.integers(0, block + 32), st.integers(0, 3 * max(block, budget))
     )
-    runs = [draw(text) for _ in range(n_images + 1)]
+    lo = min_image_gap
+    named = [g for g in NAMED_IMAGE_GAPS if g >= lo]
+    between = st.one_of(
+        st.sampled_from(named) if named else st.nothing(),
+        st.integers(lo, lo + 64), st.integers(lo, block + 32),
+        st.integers(lo, 3 * max(block, budget)),
+    )  # fmt: skip
+    runs = [draw(text if i in (0, n_images) else between) for i in range(n_images + 1)]
     pos, images = first + runs[0], []
     for size, run in zip(sizes, runs[1:], strict=True):
         images.append((pos, size))
@@ -89,11 +127,16 @@ def request_bodies(
 
 @st.composite
 def scenarios(
-    draw: st.DrawFn, *, text_only: bool = False, repeat: bool | None = None
+    draw: st.DrawFn,
+    *,
+    text_only: bool = False,
+    repeat: bool | None = None,
+    min_image_gap: int = 0,
 ) -> PropScenario:
     """Block 16..2096, budget, encoder cache from one image to all, threshold, requests.
 
     ``repeat``: True forces a repeated request, None lets hypothesis choose.
+    ``min_image_gap``: fewest text tokens between two images of a request.
     """
     block = draw(st.integers(1, 131)) * 16
     # Chunk-length families (0.15-0.25) floor every text chunk shorter than a
@@ -117,7 +160,7 @@ def scenarios(
     for i in range(n):
         with_images = not text_only and draw(st.booleans())
         long = bool(repeat) and i == 0
-        prompt_len, images = draw(request_bodies(block, budget, with_images, long))
+        prompt_len, images = draw(request_bodies(block, budget, with_images, long, min_image_gap))
         requests.append(
             PropRequest(
                 f"r{i}", prompt_len, images, content=f"c{i}",
@@ -156,7 +199,7 @@ def scenarios(
 # Invariants
 
 
-def step_bound(scenario: PropScenario) -> int:
+def step_bound(scenario: PropScenario, mode: Mode = SYNC) -> int:
     """Invariant 1's bound on the number of steps until every request finished.
 
     Each prefill chunk of request r ends, strictly after the previous one, at a
@@ -175,34 +218,69 @@ def step_bound(scenario: PropScenario) -> int:
     decode step; each stop serves at most one step. Steps before the last
     arrival may be idle: + max arrival. Repeats submitted when the original
     finishes are submitted in that same step, adding no idle step.
+
+    Modes: under EAGLE-type speculation the encoder cut sits one token before
+    the image instead of at it, still one stop per image, and a decode step
+    schedules 1 + K tokens. Async scheduling schedules step N+1 before step
+    N's output is in: each request gets one more decode step (scheduled
+    before its last token is known), and the last output lands one step
+    later (+1), which also delays a repeat submitted after its original
+    (+1 per such repeat).
     """
     b = scenario.block_size
     cap = min(scenario.budget, scenario.threshold or scenario.budget)
+    lag = 1 if mode.async_scheduling else 0
     per_request = sum(
         math.ceil(r.prompt_len / b) + len(r.images) + 1 + math.ceil(r.prompt_len / cap)
-        + r.max_tokens - 1
+        + r.max_tokens - 1 + lag + (lag if r.after else 0)
         for r in scenario.requests
     )  # fmt: skip
-    tokens = sum(r.prompt_len + r.max_tokens for r in scenario.requests)
+    decode_tokens = 1 + mode.speculative_tokens
+    tokens = sum(r.prompt_len + (r.max_tokens + lag) * decode_tokens for r in scenario.requests)
     arrivals = max(r.arrival for r in scenario.requests)
-    return arrivals + per_request + math.ceil(tokens / scenario.budget)
+    return arrivals + per_request + math.ceil(tokens / scenario.budget) + lag
 
 
-def check_completes(scenario: PropScenario, trace: Trace) -> None:
+def check_completes(scenario: PropScenario, trace: Trace, mode: Mode = SYNC) -> None:
     """Invariant 1: every request finished within step_bound()."""
     result = trace.result
-    bound = step_bound(scenario)
+    bound = step_bound(scenario, mode)
     assert result.completed, f"unfinished: {result.stall_at}; chunks {result.chunks}"
     assert result.steps <= bound, f"{result.steps} steps > bound {bound}"
 
 
-def check_aligned(scenario: PropScenario, trace: Trace) -> None:
-    """Invariant 2: no prefill chunk that starts mid-block ends past the next boundary."""
-    bad = trace.result.violations(scenario.block_size)
+def last_cacheable_boundary(prompt_len: int, block: int, mode: Mode) -> int:
+    """vLLM's `last_cache_position` for a fresh prompt: the last block boundary whose
+    Mamba state can be cached; one block lower under EAGLE-type speculation
+    (full attention prunes the last matching block of a hit)."""
+    last = prompt_len - prompt_len % block
+    return max(last - block, 0) if mode.speculative else last
+
+
+def check_aligned(scenario: PropScenario, trace: Trace, mode: Mode = SYNC) -> int:
+    """Invariant 2: no prefill chunk that starts mid-block ends past the next boundary.
+
+    The boundaries that matter are those whose Mamba state can be cached, up to
+    vLLM's `last_cache_position`. Without speculation that is every boundary a
+    prefill chunk can cross. Under EAGLE-type speculation vLLM backs it off one
+    block, and stock 0.15-0.26 then run past the boundaries above it from
+    mid-block by design (0.26: "re-align ... unless it is past the cacheable
+    range"; e.g. [1519, 1537) with block 1520 on 0.25.1, a text request). Those
+    crossings are not violations; returns how many there were.
+    """
+    b = scenario.block_size
+    by_id = {r.request_id: r for r in scenario.requests}
+    bad = trace.result.violations(b)
+    past_cacheable = [
+        (rid, s, e) for rid, s, e in bad
+        if (s // b + 1) * b > last_cacheable_boundary(by_id[rid].prompt_len, b, mode)
+    ]  # fmt: skip
+    bad = [v for v in bad if v not in past_cacheable]
     assert not bad, f"chunks crossing the next block boundary from mid-block: {bad}"
+    return len(past_cacheable)
 
 
-def check_each_token_once(scenario: PropScenario, trace: Trace) -> int:
+def check_each_token_once(scenario: PropScenario, trace: Trace, mode: Mode = SYNC) -> int:
     """Invariant 4: prompt tokens computed exactly once; returns the number of chunks checked.
 
     Prefill chunks are contiguous, without gap or overlap, and the last one ends
@@ -210,6 +288,12 @@ def check_each_token_once(scenario: PropScenario, trace: Trace) -> int:
     a cached prefix, which must be whole blocks (checked by invariant 5) of a
     request with the same content submitted earlier. Decode chunks follow, one
     token each, m - 1 of them.
+
+    Other modes: the last prefill chunk may carry vLLM's K padding drafts (see
+    below); decode chunks start at or past the prompt, each of 1 to 1 + K
+    tokens (the harness's drafter proposes K and every real draft is
+    accepted), at most m - 1 of them, plus one in async mode (scheduled before
+    the last token is known).
     """
     result = trace.result
     by_id = {r.request_id: r for r in scenario.requests}
@@ -232,14 +316,22 @@ def check_each_token_once(scenario: PropScenario, trace: Trace) -> int:
         for (s0, e0), (s1, e1) in itertools.pairwise(prefill):
             assert e0 == s1, f"{rid}: gap or overlap between [{s0},{e0}) and [{s1},{e1})"
         assert all(s < e for s, e in prefill), f"{rid}: empty chunk {prefill}"
-        assert prefill[-1][1] == prompt, f"{rid}: prefill ends at {prefill[-1][1]} != {prompt}"
-        expected = [(prompt + i, prompt + i + 1) for i in range(req.max_tokens - 1)]
-        assert decode == expected, f"{rid}: decode chunks {decode}"
+        # Under speculation vLLM pads a last prompt step of one token with K
+        # placeholder drafts (`pad_spec_decode`), rejected afterwards.
+        last, pad = prefill[-1][1], mode.speculative_tokens
+        assert prompt <= last <= prompt + pad, f"{rid}: prefill ends at {last} != {prompt}"
+        if mode == SYNC:
+            expected = [(prompt + i, prompt + i + 1) for i in range(req.max_tokens - 1)]
+            assert decode == expected, f"{rid}: decode chunks {decode}"
+        else:
+            lag = 1 if mode.async_scheduling else 0
+            assert len(decode) <= req.max_tokens - 1 + lag, f"{rid}: decode chunks {decode}"
+            assert all(1 <= e - s <= 1 + pad for s, e in decode), f"{rid}: decode {decode}"
         checked += len(chunks)
     return checked
 
 
-def check_prefix_hits(scenario: PropScenario, trace: Trace) -> tuple[int, int]:
+def check_prefix_hits(scenario: PropScenario, trace: Trace, mode: Mode = SYNC) -> tuple[int, int]:
     """Invariant 5: hits end on a block boundary; a repeat of a finished request hits.
 
     A repeat submitted after its original finished must hit whenever the original
@@ -247,6 +339,10 @@ def check_prefix_hits(scenario: PropScenario, trace: Trace) -> tuple[int, int]:
     ended on a block boundary before the last prompt token (vLLM recomputes at
     least the last token, and align mode caches the state at chunk ends on block
     boundaries). Returns (hits seen, repeats checked for a hit).
+
+    Under EAGLE-type speculation vLLM drops the last matching block of a hit
+    (the drafter recomputes it), so a state is usable only one block below the
+    whole blocks of the first P - 1 tokens: e <= ((P - 1) // B - 1) * B.
     """
     b = scenario.block_size
     result = trace.result
@@ -262,9 +358,12 @@ def check_prefix_hits(scenario: PropScenario, trace: Trace) -> tuple[int, int]:
             originals = [r.request_id for r in scenario.requests
                          if r.key == req.key and r.request_id != rid
                          and r.request_id in result.finished]  # fmt: skip
+            limit = req.prompt_len - 1
+            if mode.speculative:
+                limit = ((req.prompt_len - 1) // b - 1) * b
             usable = [
                 e for o in originals for _, _, e in result.chunks[o]
-                if e % b == 0 and 0 < e < req.prompt_len
+                if e % b == 0 and 0 < e <= limit
             ]  # fmt: skip
             if usable:
                 must_hit += 1
@@ -312,22 +411,32 @@ def compare_with_stock(scenario: PropScenario, patched: Trace, stock: Trace) -> 
 
 
 class Figures:
+    """Counts per harness mode; `counts` sums the modes (the figures before issue 10)."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.counts: Counter[str] = Counter()
+        self.by_mode: dict[str, Counter[str]] = {}
 
-    def add(self, **values: int) -> None:
+    def add(self, mode: str, **values: int) -> None:
         with self.lock:
-            self.counts.update(values)
+            self.by_mode.setdefault(mode, Counter()).update(values)
+
+    @property
+    def counts(self) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for counts in self.by_mode.values():
+            total.update(counts)
+        return total
 
     def dump(self, version: str, family: str) -> Path | None:
-        if not self.counts:
+        if not self.by_mode:
             return None
         out = REPO / ".cache" / f"property-stats-{version}-{PROFILE_NAME}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         data = {
             "vllm": version, "family": family, "profile": PROFILE_NAME,
             "ci_examples_override": _CI_EXAMPLES, **dict(sorted(self.counts.items())),
+            "by_mode": {m: dict(sorted(c.items())) for m, c in sorted(self.by_mode.items())},
         }  # fmt: skip
         out.write_text(json.dumps(data, indent=1) + "\n")
         return out
@@ -342,19 +451,31 @@ FIGURES = Figures()
 STOCK_STALL_STEPS = 8  # stock only matters up to the first correction
 
 
-def check_scenario(scenario: PropScenario) -> None:
-    """Run stock and patched, and check the five invariants."""
-    bound = step_bound(scenario)
+def skip_reason(scenario: PropScenario, mode: Mode) -> str | None:
+    """Why `scenario` is out of this mode's invariants on this release (None: it is in)."""
+    from tools.sched_harness import vllm_version
+
+    return deferred_free_hang(scenario.min_image_gap, mode, vllm_version())
+
+
+def check_scenario(scenario: PropScenario, sched_mode: Mode = SYNC) -> None:
+    """Run stock and patched in `sched_mode`, and check the five invariants."""
+    reason = skip_reason(scenario, sched_mode)
+    assert reason is None, f"generated a layout outside {sched_mode}'s invariants: {reason}"
+    bound = step_bound(scenario, sched_mode)
     with pa.stock():
-        stock = pa.drive(scenario, max_steps=bound + 2, stall_steps=STOCK_STALL_STEPS)
+        stock = pa.drive(
+            scenario, max_steps=bound + 2, stall_steps=STOCK_STALL_STEPS, mode=sched_mode
+        )
     with pa.plugin_active() as mode:
-        patched = pa.drive(scenario, max_steps=bound + 2)
-    check_completes(scenario, patched)  # 1
-    check_aligned(scenario, patched)  # 2
+        patched = pa.drive(scenario, max_steps=bound + 2, mode=sched_mode)
+    check_completes(scenario, patched, sched_mode)  # 1
+    past_cacheable = check_aligned(scenario, patched, sched_mode)  # 2
     kind, compared = compare_with_stock(scenario, patched, stock)  # 3
-    chunks = check_each_token_once(scenario, patched)  # 4
-    hits, must_hit = check_prefix_hits(scenario, patched)  # 5
+    chunks = check_each_token_once(scenario, patched, sched_mode)  # 4
+    hits, must_hit = check_prefix_hits(scenario, patched, sched_mode)  # 5
     FIGURES.add(
+        sched_mode.name,
         scenarios=1,
         **{f"plugin_mode_{mode}": 1},
         requests=len(scenario.requests),
@@ -369,5 +490,6 @@ def check_scenario(scenario: PropScenario) -> None:
         prefix_hits=hits,
         repeats_required_to_hit=must_hit,
         corrections=len(patched.corrections),
+        crossings_past_last_cacheable_boundary=past_cacheable,
     )
-    FIGURES.add(**Counter(f"corrections_{a}" for _, _, a in patched.corrections))
+    FIGURES.add(sched_mode.name, **Counter(f"corrections_{a}" for _, _, a in patched.corrections))

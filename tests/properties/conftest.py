@@ -1,4 +1,5 @@
-"""Fixtures of the property suite (issue 5): stock scheduler around each test, run figures.
+"""Fixtures of the property suite (issue 5): stock scheduler around each test, run figures,
+and the harness mode of each test (`sched_mode`, issue 10).
 
 Runs on the vLLM that `import vllm` finds: the environment's (0.27.1) or a
 release overlay first on PYTHONPATH (`python -m tools.prop_adapters 0.19.1`).
@@ -22,6 +23,22 @@ from vllm_mamba_fix.versions import release_of
 # model (1056) and reject most generated block/budget combinations before a
 # scheduler exists; tests/scheduler covers those releases with fixed scenarios.
 _CONFIG_REJECTS_GENERATED = (release_of(harness.vllm_version()) or (0, 0, 0))[:2] == (0, 17)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # One run per harness mode ($VLLM_MAMBA_FIX_HARNESS_MODES narrows the set).
+    if "sched_mode" in metafunc.fixturenames:
+        metafunc.parametrize("sched_mode", harness.selected_modes(), ids=str, indirect=True)
+
+
+@pytest.fixture
+def sched_mode(request: pytest.FixtureRequest) -> harness.Mode:
+    """The harness mode of this test item; skipped where the release cannot build it."""
+    mode: harness.Mode = request.param
+    reason = harness.mode_unsupported_reason(mode)
+    if reason:
+        pytest.skip(f"{mode}: {reason}")
+    return mode
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -59,5 +76,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     path = FIGURES.dump(version, family)
     terminalreporter.section(f"property figures: vLLM {version} (family {family})")
     terminalreporter.write_line(f"profile {PROFILE_NAME}; written to {path}")
-    for key, value in sorted(FIGURES.counts.items()):
-        terminalreporter.write_line(f"  {key}: {value}")
+    for mode, counts in sorted(FIGURES.by_mode.items()):
+        terminalreporter.write_line(f"mode {mode}:")
+        for key, value in sorted(counts.items()):
+            terminalreporter.write_line(f"  {key}: {value}")

@@ -10,29 +10,40 @@ hit the prefix cache, submitted while the original runs or once it finished.
 Each scenario runs twice: on stock vLLM and with the plugin loaded through
 vLLM's load_general_plugins() (VLLM_MAMBA_FIX=force where the release leaves
 it off). With the plugin, invariants 1-5 hold (see the checks in _support).
+
+Issue 10: every test runs in each harness mode (`sched_mode`: sync, async,
+sync+mtp2, async+mtp2). Under MTP, images fewer than 2 tokens apart are not
+generated on 0.19-0.32: they meet a separate vLLM hang (the deferred
+encoder-cache free, tools.scenarios.deferred_free_hang_gap), not the split's.
 """
 
 from __future__ import annotations
 
 from hypothesis import given
+from hypothesis import strategies as st
 
-from tests.properties._support import check_scenario, profile, scenarios
-from tools.prop_adapters import PropScenario
+from tests.properties._support import check_scenario, min_image_gap_for, profile, scenarios
+from tools.sched_harness import Mode, vllm_version
+
+
+def _draw(data: st.DataObject, mode: Mode, **kwargs: bool) -> object:
+    gap = min_image_gap_for(mode, vllm_version())
+    return data.draw(scenarios(min_image_gap=gap, **kwargs), label="scenario")
 
 
 @profile(ci_examples=30)
-@given(scenario=scenarios())
-def test_mixed_scenarios(scenario: PropScenario) -> None:
-    check_scenario(scenario)
+@given(data=st.data())
+def test_mixed_scenarios(sched_mode: Mode, data: st.DataObject) -> None:
+    check_scenario(_draw(data, sched_mode), sched_mode)
 
 
 @profile(ci_examples=10)
-@given(scenario=scenarios(text_only=True))
-def test_text_only_scenarios_are_stock(scenario: PropScenario) -> None:
-    check_scenario(scenario)
+@given(data=st.data())
+def test_text_only_scenarios_are_stock(sched_mode: Mode, data: st.DataObject) -> None:
+    check_scenario(_draw(data, sched_mode, text_only=True), sched_mode)
 
 
 @profile(ci_examples=15)
-@given(scenario=scenarios(repeat=True))
-def test_repeated_requests_hit_the_prefix_cache(scenario: PropScenario) -> None:
-    check_scenario(scenario)
+@given(data=st.data())
+def test_repeated_requests_hit_the_prefix_cache(sched_mode: Mode, data: st.DataObject) -> None:
+    check_scenario(_draw(data, sched_mode, repeat=True), sched_mode)

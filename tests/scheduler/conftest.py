@@ -3,6 +3,11 @@
 Every test runs on the vLLM that `import vllm` finds: the environment's
 (0.27.1) or a release overlay that tools/matrix.py puts first on PYTHONPATH.
 Expectations come from that release's family (vllm_mamba_fix.versions).
+
+A test that takes the `sched_mode` fixture runs once per harness mode
+({sync, async} x {no speculation, MTP K=2}; $VLLM_MAMBA_FIX_HARNESS_MODES
+narrows the set for the whole process) and is skipped, with vLLM's reason,
+where the release cannot build the mode.
 """
 
 from __future__ import annotations
@@ -22,6 +27,21 @@ from tools import sched_harness as harness
 from vllm_mamba_fix.versions import Family, family_for
 
 PLUGIN_ENV = ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "sched_mode" in metafunc.fixturenames:
+        metafunc.parametrize("sched_mode", harness.selected_modes(), ids=str, indirect=True)
+
+
+@pytest.fixture
+def sched_mode(request: pytest.FixtureRequest) -> harness.Mode:
+    """The harness mode of this test item; skipped where the release cannot build it."""
+    mode: harness.Mode = request.param
+    reason = harness.mode_unsupported_reason(mode)
+    if reason:
+        pytest.skip(f"{mode}: {reason}")
+    return mode
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
