@@ -3,7 +3,9 @@
 With the plugin (forced, so it also runs on releases where it is inactive by
 default) every request finishes, no prefill chunk that starts mid-block
 crosses the next boundary, and a text request ahead in the queue is
-scheduled exactly as on stock.
+scheduled exactly as on stock. Runs in every harness mode (`sched_mode`); under
+MTP, layouts with images fewer than 2 tokens apart are left out on 0.19-0.32
+(a separate vLLM hang, tools.scenarios.deferred_free_hang_gap).
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from tools import sched_harness as harness
-from tools.scenarios import image_request, text_request
-from tools.sched_harness import HarnessConfig
+from tools.scenarios import deferred_free_hang_gap, image_request, text_request
+from tools.sched_harness import HarnessConfig, Mode
 
 # 0.17.x reject a step budget below the model's own block size (1056).
 MIN_BUDGET = 1056
@@ -35,12 +37,14 @@ def layouts(draw: st.DrawFn) -> dict[str, Any]:
     return {"block": block, "budget": budget, "images": images, "cache": cache, "gaps": gaps}
 
 
-def _run(layout: dict[str, Any]) -> harness.RunResult:
-    cfg = HarnessConfig(
-        block_size=layout["block"],
-        max_num_batched_tokens=layout["budget"],
-        encoder_cache_tokens=layout["cache"],
-        max_model_len=131072,
+def _run(layout: dict[str, Any], mode: Mode) -> harness.RunResult:
+    cfg = mode.apply(
+        HarnessConfig(
+            block_size=layout["block"],
+            max_num_batched_tokens=layout["budget"],
+            encoder_cache_tokens=layout["cache"],
+            max_model_len=131072,
+        )
     )
     h = harness.Harness(cfg)
     # Text first: it takes its share of the budget before the image request.
@@ -64,13 +68,17 @@ def _run(layout: dict[str, Any]) -> harness.RunResult:
 )
 @given(layout=layouts())
 def test_plugin_completes_without_boundary_crossing(
-    load_plugin: Any, layout: dict[str, Any]
+    load_plugin: Any, sched_mode: Mode, layout: dict[str, Any]
 ) -> None:
+    if sched_mode.speculative:
+        # Images closer than this meet the deferred-free hang (issue 11), not the split's.
+        limit = deferred_free_hang_gap(harness.vllm_version())
+        assume(min(layout["gaps"][1:-1], default=limit) >= limit)
     harness.unload_plugin()
-    stock = _run(layout)
+    stock = _run(layout, sched_mode)
     assert load_plugin(VLLM_MAMBA_FIX="force")
     try:
-        patched = _run(layout)
+        patched = _run(layout, sched_mode)
     finally:
         harness.unload_plugin()
     assert patched.completed, (layout, patched.stall_at, patched.chunks)
