@@ -24,6 +24,7 @@ from tools.sched_harness import (
     run_requests,
     vllm_version,
 )
+from vllm_mamba_fix.versions import family_for
 
 IMAGE_TOKENS = 11_844
 
@@ -58,9 +59,13 @@ class Scenario:
         """Fewest text tokens between two consecutive images of one request."""
         return min_image_gap(self.specs)
 
-    def mode_skip_reason(self, mode: Mode, version: str | None = None) -> str | None:
+    def mode_skip_reason(
+        self, mode: Mode, version: str | None = None, *, with_plugin: bool = False
+    ) -> str | None:
         """Why this scenario is left out of `mode` on this release (None: it runs)."""
-        return deferred_free_hang(self.min_image_gap, mode, version or vllm_version())
+        return deferred_free_hang(
+            self.min_image_gap, mode, version or vllm_version(), with_plugin=with_plugin
+        )
 
 
 def image_request(
@@ -100,33 +105,46 @@ def _release(version: str) -> tuple[int, int]:
 def deferred_free_hang_gap(version: str) -> int:
     """Image gaps below this hang stock vLLM under EAGLE-type speculation, split or no split.
 
-    From 0.25 (#46315) an image's encoder-cache entry is freed only once the
-    computed tokens pass its end plus the drafter's look-ahead; 0.19-0.24 free
-    it at its end but cut the next chunk one token early. With the next image
-    that close and the two not fitting in the cache together, the request parks
-    one token short of image 1's end for good, with prefix caching off too. A
-    separate vLLM hang (0.25-0.32: gaps 0-1; before 0.25: gap 0, measured on
-    0.19-0.24, and the shift is in the code from 0.15; 0.33 dropped both), for
-    its own issue, not the split's. Qwen's template puts 2
-    tokens (<|vision_end|><|vision_start|>) between images.
+    From 0.24 (#46315; read in each release's `_free_encoder_inputs`) an
+    image's encoder-cache entry is freed only once the computed tokens pass
+    its end plus the drafter's look-ahead; before, it is freed at its end but
+    the next chunk is still cut one token early (the shift is in the code from
+    0.15). With the next image that close and the two not fitting in the cache
+    together, the request parks one token short of image 1's end for good,
+    with prefix caching off too: 0.24-0.32 at gaps 0-1, before 0.24 at gap 0;
+    0.33 dropped both. Qwen's template puts 2 tokens
+    (<|vision_end|><|vision_start|>) between images.
     """
     release = _release(version)
     if release >= (0, 33):
         return 0
-    return 2 if release >= (0, 25) else 1
+    return 2 if release >= (0, 24) else 1
 
 
-def deferred_free_hang(gap: int | None, mode: Mode, version: str) -> str | None:
+def plugin_ends_deferred_free_hang(version: str) -> bool:
+    """Whether the plugin's speculative-stall rule ends that hang on this release
+    (0.24-0.32: the deferred free and the model runner's drafter fallback)."""
+    family = family_for(version)
+    return family.deferred_encoder_free and family.drafter_fallback
+
+
+def deferred_free_hang(
+    gap: int | None, mode: Mode, version: str, *, with_plugin: bool = False
+) -> str | None:
+    """Why a layout with this smallest image gap hangs in `mode` (None: it does not).
+
+    ``with_plugin``: the question is whether it hangs with the plugin loaded.
+    """
     if not mode.speculative or gap is None:
         return None
     limit = deferred_free_hang_gap(version)
-    if gap >= limit:
+    if gap >= limit or (with_plugin and plugin_ends_deferred_free_hang(version)):
         return None
+    where = "; the plugin only names it before 0.24" if with_plugin else ""
     return (
-        f"images {gap} token(s) apart under EAGLE-type speculation: vLLM {version}'s "
-        f"deferred encoder-cache free parks the request one token short of the first "
-        f"image's end (a separate vLLM hang below a gap of {limit}, not the split's; "
-        "issue 11)"
+        f"images {gap} token(s) apart under EAGLE-type speculation: vLLM {version} parks the "
+        f"request one token short of the first image's end (a separate vLLM hang below a gap "
+        f"of {limit}, not the split's; issue 11{where})"
     )
 
 

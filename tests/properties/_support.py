@@ -21,7 +21,11 @@ from hypothesis import strategies as st
 
 from tools import prop_adapters as pa
 from tools.prop_adapters import PropRequest, PropScenario, Trace
-from tools.scenarios import deferred_free_hang, deferred_free_hang_gap
+from tools.scenarios import (
+    deferred_free_hang,
+    deferred_free_hang_gap,
+    plugin_ends_deferred_free_hang,
+)
 from tools.sched_harness import SYNC, Mode
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,8 +88,11 @@ NAMED_IMAGE_GAPS = (0, 1, 2)
 
 
 def min_image_gap_for(mode: Mode, version: str) -> int:
-    """The smallest image gap the generator may draw in `mode` on `version`."""
-    return deferred_free_hang_gap(version) if mode.speculative else 0
+    """The smallest image gap the generator may draw in `mode` on `version`: every
+    gap where the plugin ends the speculative stall (0.24-0.32) or there is none."""
+    if not mode.speculative or plugin_ends_deferred_free_hang(version):
+        return 0
+    return deferred_free_hang_gap(version)
 
 
 @st.composite
@@ -225,13 +232,17 @@ def step_bound(scenario: PropScenario, mode: Mode = SYNC) -> int:
     N's output is in: each request gets one more decode step (scheduled
     before its last token is known), and the last output lands one step
     later (+1), which also delays a repeat submitted after its original
-    (+1 per such repeat).
+    (+1 per such repeat). The speculative-stall rule (images < 2 tokens apart,
+    0.24-0.32) acts on the second 0 at one position, at most twice per image
+    (the cut without the shift, then the free), and its 1-token chunk is one
+    more stop: + 5 per image under speculation.
     """
     b = scenario.block_size
     cap = min(scenario.budget, scenario.threshold or scenario.budget)
     lag = 1 if mode.async_scheduling else 0
+    per_image = 6 if mode.speculative else 1
     per_request = sum(
-        math.ceil(r.prompt_len / b) + len(r.images) + 1 + math.ceil(r.prompt_len / cap)
+        math.ceil(r.prompt_len / b) + per_image * len(r.images) + 1 + math.ceil(r.prompt_len / cap)
         + r.max_tokens - 1 + lag + (lag if r.after else 0)
         for r in scenario.requests
     )  # fmt: skip
@@ -455,7 +466,7 @@ def skip_reason(scenario: PropScenario, mode: Mode) -> str | None:
     """Why `scenario` is out of this mode's invariants on this release (None: it is in)."""
     from tools.sched_harness import vllm_version
 
-    return deferred_free_hang(scenario.min_image_gap, mode, vllm_version())
+    return deferred_free_hang(scenario.min_image_gap, mode, vllm_version(), with_plugin=True)
 
 
 def check_scenario(scenario: PropScenario, sched_mode: Mode = SYNC) -> None:

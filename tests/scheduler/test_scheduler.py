@@ -48,8 +48,8 @@ def _text_ids(scenario: sc.Scenario) -> list[str]:
     return [s.request_id for s in scenario.specs if not s.images]
 
 
-def _runs_in(scenario: sc.Scenario, mode: Mode) -> None:
-    reason = scenario.mode_skip_reason(mode)
+def _runs_in(scenario: sc.Scenario, mode: Mode, *, with_plugin: bool = False) -> None:
+    reason = scenario.mode_skip_reason(mode, with_plugin=with_plugin)
     if reason:
         pytest.skip(reason)
 
@@ -151,7 +151,7 @@ def test_plugin_completes(
 ) -> None:
     if not _affected(family):
         pytest.skip(f"family {family.name}: plugin inactive by default (see force tests)")
-    _runs_in(scenario, sched_mode)
+    _runs_in(scenario, sched_mode, with_plugin=True)
     assert load_plugin(), "load_general_plugins() did not wrap the scheduler"
     result = scenario.run(sched_mode)
     assert result.completed, f"still stalled with the plugin: {result.stall_at}"
@@ -211,7 +211,7 @@ def test_text_chunks_identical_to_stock(
 def test_no_mid_block_chunk_crosses_a_boundary(
     family: Family, load_plugin: Any, scenario: sc.Scenario, mode: str, sched_mode: Mode
 ) -> None:
-    _runs_in(scenario, sched_mode)
+    _runs_in(scenario, sched_mode, with_plugin=True)
     if not load_plugin(VLLM_MAMBA_FIX=mode):
         assert not _affected(family) and mode == "auto"
         pytest.skip(f"family {family.name}: plugin inactive by default")
@@ -305,7 +305,7 @@ def test_default_policy_and_log_line(family: Family, load_plugin: Any, vllm_log:
 def test_force_completes_every_scenario(
     family: Family, load_plugin: Any, scenario: sc.Scenario, sched_mode: Mode
 ) -> None:
-    _runs_in(scenario, sched_mode)
+    _runs_in(scenario, sched_mode, with_plugin=True)
     stock = scenario.run(sched_mode)
     assert load_plugin(VLLM_MAMBA_FIX="force")
     patched = scenario.run(sched_mode)
