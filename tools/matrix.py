@@ -72,7 +72,7 @@ def probe() -> dict[str, Any]:
     per_mode: dict[str, dict[str, Any]] = {}
     for mode in modes:
         reason = harness.mode_unsupported_reason(mode)
-        skipped = {s.name: s.mode_skip_reason(mode) for s in sc.ALL}
+        skipped = {s.name: s.mode_skip_reason(mode, with_plugin=True) for s in sc.ALL}
         per_mode[mode.name] = {
             "unsupported": reason,
             "skipped": {name: why for name, why in skipped.items() if why},
@@ -88,6 +88,11 @@ def probe() -> dict[str, Any]:
         }
         harness.load_plugins()
         default_active = harness.split_is_wrapped()
+        default_methods = _wrapped_methods()
+        speculative = _speculative_stall_probe(stock_only=False) if default_methods else None
+        harness.unload_plugin()
+        stock_speculative = _speculative_stall_probe(stock_only=True)
+        harness.load_plugins()
         if not default_active:
             os.environ["VLLM_MAMBA_FIX"] = "force"
             harness.unload_plugin()
@@ -118,11 +123,60 @@ def probe() -> dict[str, Any]:
         "architecture": harness.supported_architecture(),
         "block_size": per_mode[first]["block_size"] if first else None,
         "default_active": default_active,
+        "default_methods": default_methods,
+        "speculative_stall": {"stock": stock_speculative, "plugin": speculative},
         "stock": per_mode[first]["stock"] if first else {},
         "patched": per_mode[first]["patched"] if first else {},
         "modes": per_mode,
         "actions": {k: after.get(k, 0) - before.get(k, 0) for k in after},
     }
+
+
+def _wrapped_methods() -> list[str]:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_mamba_fix import patch
+
+    return [name for name in patch.WRAPPED_METHODS if patch.is_wrapped(Scheduler, name)]
+
+
+SPECULATIVE_GAPS = (0, 1)
+
+
+def _speculative_stall_probe(stock_only: bool) -> dict[str, Any] | None:
+    """Issue 11's layout (tests/scheduler/test_speculative_stall.py) under sync MTP K=2:
+    two 11,844-token images 0 and 1 tokens apart, beside a text request, with
+    whatever is loaded now. None where the release cannot build MTP."""
+    from tools import sched_harness as harness
+    from tools.scenarios import ISSUE_CONFIG, image_request, text_request
+
+    if harness.mode_unsupported_reason(harness.SYNC_MTP2):
+        return None
+    import vllm_mamba_fix
+
+    before = vllm_mamba_fix.stats()["stalls_detected"]
+    results = {}
+    for gap in SPECULATIVE_GAPS:
+        h = harness.Harness(harness.SYNC_MTP2.apply(ISSUE_CONFIG))
+        h.add(text_request("spec-text", 3000), image_request("spec-image", (5, gap, 200)))
+        results[str(gap)] = _summary(h.run(max_steps=120, stall_steps=10))
+    named = vllm_mamba_fix.stats()["stalls_detected"] - before
+    return {"gaps": results, "stalls_named": 0 if stock_only else named}
+
+
+def _speculative_cell(data: dict[str, Any]) -> str:
+    probe = data.get("speculative_stall") or {}
+    stock, plugin = probe.get("stock"), probe.get("plugin")
+    if stock is None:
+        return "n/a: no Qwen3.5 (MTP)"
+    gaps = ", ".join(SPECULATIVE_GAPS.__str__().strip("()").split(", "))
+    stalls = [g for g, r in stock["gaps"].items() if not r["completed"]]
+    cell = f"gaps {gaps}: stock stalls {len(stalls)}/{len(stock['gaps'])}"
+    if plugin is None:
+        return cell + "; plugin inactive (not needed)"
+    done = [g for g, r in plugin["gaps"].items() if r["completed"]]
+    cell += f"; plugin completes {len(done)}/{len(plugin['gaps'])}"
+    return cell + ", names the rest in the log" if len(done) < len(plugin["gaps"]) else cell
 
 
 def _summary(result: Any) -> dict[str, Any]:
@@ -211,10 +265,15 @@ def _describe(row: Row, data: dict[str, Any]) -> None:
         name: _mode_cell(mode, data["default_active"])
         for name, mode in data.get("modes", {}).items()
     }
+    row.modes["speculative stall (sync+mtp2, issue 11)"] = _speculative_cell(data)
     acts = data["actions"]
     summary = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in acts.items() if v) or "no change"
     if data["default_active"]:
         row.does = f"patches: {summary}"
+    elif data.get("default_methods"):
+        row.does = (
+            f"by default: speculative-stall rule and watchdog only; force adds the split: {summary}"
+        )
     else:
         row.does = f"inactive by default (not needed); force: {summary}"
 
