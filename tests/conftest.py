@@ -7,12 +7,33 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from vllm_mamba_fix.hookspecs import ENTRY_POINT_GROUP
 
 PLUGIN_LOGGER = "vllm.mamba_fix"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # A test that takes `sched_mode` runs once per harness mode ({sync, async} x
+    # {no speculation, MTP K=2}; $VLLM_MAMBA_FIX_HARNESS_MODES narrows the set).
+    if "sched_mode" in metafunc.fixturenames:
+        from tools import sched_harness as harness  # only where the harness is used
+
+        metafunc.parametrize("sched_mode", harness.selected_modes(), ids=str, indirect=True)
+
+
+@pytest.fixture
+def sched_mode(request: pytest.FixtureRequest) -> Any:
+    """The harness mode of this test item; skipped where the release cannot build it."""
+    from tools import sched_harness as harness
+
+    reason = harness.mode_unsupported_reason(request.param)
+    if reason:
+        pytest.skip(f"{request.param}: {reason}")
+    return request.param
 
 
 @pytest.fixture

@@ -25,22 +25,6 @@ from vllm_mamba_fix.versions import release_of
 _CONFIG_REJECTS_GENERATED = (release_of(harness.vllm_version()) or (0, 0, 0))[:2] == (0, 17)
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    # One run per harness mode ($VLLM_MAMBA_FIX_HARNESS_MODES narrows the set).
-    if "sched_mode" in metafunc.fixturenames:
-        metafunc.parametrize("sched_mode", harness.selected_modes(), ids=str, indirect=True)
-
-
-@pytest.fixture
-def sched_mode(request: pytest.FixtureRequest) -> harness.Mode:
-    """The harness mode of this test item; skipped where the release cannot build it."""
-    mode: harness.Mode = request.param
-    reason = harness.mode_unsupported_reason(mode)
-    if reason:
-        pytest.skip(f"{mode}: {reason}")
-    return mode
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The release matrix selects its per-release subset with `-m matrix`; the
     # ci profile of this folder is small enough to be part of it.

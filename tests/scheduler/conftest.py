@@ -29,21 +29,6 @@ from vllm_mamba_fix.versions import Family, family_for
 PLUGIN_ENV = ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS")
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "sched_mode" in metafunc.fixturenames:
-        metafunc.parametrize("sched_mode", harness.selected_modes(), ids=str, indirect=True)
-
-
-@pytest.fixture
-def sched_mode(request: pytest.FixtureRequest) -> harness.Mode:
-    """The harness mode of this test item; skipped where the release cannot build it."""
-    mode: harness.Mode = request.param
-    reason = harness.mode_unsupported_reason(mode)
-    if reason:
-        pytest.skip(f"{mode}: {reason}")
-    return mode
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The release matrix selects this suite with `-m matrix`.
     for item in items:
