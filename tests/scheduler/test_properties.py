@@ -20,8 +20,9 @@ from tools import sched_harness as harness
 from tools.scenarios import deferred_free_hang_gap, image_request, text_request
 from tools.sched_harness import HarnessConfig, Mode
 
-# 0.17.x reject a step budget below the model's own block size (1056).
-MIN_BUDGET = 1056
+# 0.17.x reject a step budget below the model's own block size: 1056, 1072 under MTP K=2
+# (1088 on 0.33).
+MIN_BUDGET = 1088
 
 
 @st.composite
