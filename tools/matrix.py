@@ -5,12 +5,12 @@ Each release runs in its own subprocess with that release's pure-Python
 its real `Scheduler`. The suites and the probe run every harness mode (sync,
 async, sync+mtp2, async+mtp2; `--modes` or $VLLM_MAMBA_FIX_HARNESS_MODES
 narrows them). Prints one row per release and writes the table as Markdown
-(and JSON) so the README table comes from a run:
+(and JSON) so the table in docs/compatibility.md comes from a run:
 
     python -m tools.matrix --ci                    # one release per family
     python -m tools.matrix                          # latest patch of every minor
     python -m tools.matrix 0.19.1 0.25.1 -j 2
-    python -m tools.matrix --ci --readme README.md  # also refresh the README table
+    python -m tools.matrix --readme                 # also refresh docs/compatibility.md
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ REPORT_ENV = "VLLM_MAMBA_FIX_MATRIX_REPORT"
 MODES_ENV = "VLLM_MAMBA_FIX_HARNESS_MODES"  # tools.sched_harness.MODES_ENV (no vLLM import here)
 README_START = "<!-- matrix:start -->"
 README_END = "<!-- matrix:end -->"
+COMPATIBILITY_DOC = REPO / "docs" / "compatibility.md"  # where --readme writes by default
 
 
 def default_releases() -> list[str]:
@@ -347,7 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-j", "--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per release")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "matrix.md")
-    parser.add_argument("--readme", type=Path, help="refresh the table between the markers")
+    parser.add_argument(
+        "--readme",
+        type=Path,
+        nargs="?",
+        const=COMPATIBILITY_DOC,
+        help="refresh the table between the markers of PATH (default: docs/compatibility.md)",
+    )
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments")
     parser.add_argument(
         "--modes",

@@ -3,7 +3,7 @@
 #   tools/matrix.sh --ci            one release per family (CI)
 #   tools/matrix.sh                 latest patch of every minor 0.15 ... 0.33
 #   tools/matrix.sh 0.19.1 0.25.1   chosen releases
-#   tools/matrix.sh --readme README.md   and refresh the README's table
+#   tools/matrix.sh --readme        and refresh the table in docs/compatibility.md
 # Runs in the project environment (tools/env.sh builds it on first use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
