@@ -78,9 +78,9 @@ def _install(cls: type, functions: dict[str, Callable[..., Any]]) -> None:
 
 def watchdog_settings() -> dict[str, Any]:
     """What the installed encoder wrapper was built with (the watchdog must be on)."""
-    from vllm_mamba_fix import patch
+    from vllm_mamba_fix import targets
 
-    options = getattr(_scheduler_class().__dict__[ENCODER_METHOD], patch.MARKER)
+    options = getattr(_scheduler_class().__dict__[ENCODER_METHOD], targets.MARKER)
     return {
         "stall_seconds": options.stall_seconds,
         "release_speculative_stalls": options.release_speculative_stalls,
@@ -387,7 +387,7 @@ def micro_bench(repeats: int, target_ns: int) -> dict[str, Any]:
     """Per-call time through the bound method, each arm against the original, interleaved."""
     from tools.scenarios import ISSUE_CONFIG
     from tools.sched_harness import Harness
-    from vllm_mamba_fix import counters
+    from vllm_mamba_fix import counters, targets
 
     cls = _scheduler_class()
     installed = {name: methods(name) for name in (METHOD, ENCODER_METHOD)}

@@ -28,7 +28,9 @@ from vllm_mamba_fix.doctor import (
     classify_speculative,
 )
 from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.versions import Mode, Rule, Verdict, family_for, plan
+from vllm_mamba_fix.config import Mode
+from vllm_mamba_fix.policy import Rule, plan
+from vllm_mamba_fix.versions import Verdict, family_for
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "vllm_mamba_fix"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("vllm-mamba-fix")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tools import sched_harness as harness
-from tools.sched_harness import SYNC, HarnessConfig, Mode, RequestSpec
+from tools.sched_harness import SYNC, HarnessConfig, Mode, RequestSpec, VideoSpec
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN_ENV = ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS")
@@ -37,7 +37,8 @@ class PropRequest:
     """One request of a generated scenario.
 
     ``content`` names the prompt: two requests with the same content have the
-    same token ids and the same image hashes (a repeat). ``arrival`` is the
+    same token ids and the same image and video hashes (a repeat). ``videos``:
+    Qwen3-VL video placeholders beside the images. ``arrival`` is the
     step at which it is submitted; ``after`` (a request id) submits it at the
     first step after that request finished instead.
     """
@@ -49,10 +50,20 @@ class PropRequest:
     arrival: int = 0
     after: str | None = None
     max_tokens: int = 1
+    videos: tuple[VideoSpec, ...] = ()
 
     @property
     def key(self) -> str:
         return self.content or self.request_id
+
+    @property
+    def mm_spans(self) -> tuple[tuple[int, int], ...]:
+        """(offset, length) of every image and video placeholder, in prompt order."""
+        return tuple(sorted([*self.images, *(v.span for v in self.videos)]))
+
+    @property
+    def has_mm(self) -> bool:
+        return bool(self.images or self.videos)
 
 
 @dataclass(frozen=True)
@@ -78,15 +89,20 @@ class PropScenario:
 
     @property
     def has_images(self) -> bool:
-        return any(r.images for r in self.requests)
+        """Whether any request has an image or a video."""
+        return any(r.has_mm for r in self.requests)
+
+    @property
+    def has_videos(self) -> bool:
+        return any(r.videos for r in self.requests)
 
     @property
     def min_image_gap(self) -> int | None:
-        """Fewest text tokens between two consecutive images of one request."""
+        """Fewest text tokens between two consecutive placeholders (images or videos)."""
         gaps = [
             b[0] - (a[0] + a[1])
             for r in self.requests
-            for a, b in zip(r.images, r.images[1:], strict=False)
+            for a, b in zip(r.mm_spans, r.mm_spans[1:], strict=False)
         ]
         return min(gaps, default=None)
 
@@ -97,7 +113,7 @@ def make_request(built: Any, req: PropRequest) -> Any:
     from vllm.v1.request import Request
 
     seed = sum(ord(c) * 31**i for i, c in enumerate(req.key)) % 1_000_003
-    spec = RequestSpec(req.key, req.prompt_len, req.images, req.max_tokens, seed)
+    spec = RequestSpec(req.key, req.prompt_len, req.images, req.max_tokens, seed, req.videos)
     return harness._call_with_supported(
         Request,
         request_id=req.request_id,
@@ -105,7 +121,7 @@ def make_request(built: Any, req: PropRequest) -> Any:
         sampling_params=SamplingParams(max_tokens=req.max_tokens, ignore_eos=True),
         pooling_params=None,
         eos_token_id=None,
-        mm_features=harness._mm_features(spec),  # identifiers "<key>-image<j>"
+        mm_features=harness._mm_features(spec),  # identifiers "<key>-image<j>", "<key>-video<j>"
         block_hasher=built.block_hasher,
     )
 
@@ -136,7 +152,7 @@ def drive(
     scenario: PropScenario, *, max_steps: int, stall_steps: int = 30, mode: Mode = SYNC
 ) -> Trace:
     """Submit the requests at their steps and step until all finished or stalled."""
-    from vllm_mamba_fix import counters
+    from vllm_mamba_fix import counters, patch, wrappers
 
     h = harness.Harness(scenario.config(mode))
     corrections: list[tuple[int, str, str]] = []
@@ -235,7 +251,7 @@ def wrapped_without_realign() -> Iterator[None]:
     """The plugin's wrapper with only the re-align rule switched off."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix import patch
+    from vllm_mamba_fix import patch, wrappers
     from vllm_mamba_fix.config import Scope
     from vllm_mamba_fix.scope import ScopePolicy
     from vllm_mamba_fix.versions import family_for
@@ -243,14 +259,14 @@ def wrapped_without_realign() -> Iterator[None]:
     family = family_for(harness.vllm_version())
     assert family.prefill_gate is not None
     with stock():
-        options = patch.WrapOptions(
+        options = wrappers.WrapOptions(
             family.prefill_gate, ScopePolicy(Scope.MULTIMODAL), realign=False
         )
         patch.wrap(Scheduler, options)
         try:
             yield
         finally:
-            patch.unwrap(Scheduler)
+            patch.undo(Scheduler)
 
 
 def replace(scenario: PropScenario, **changes: Any) -> PropScenario:

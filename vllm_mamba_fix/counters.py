@@ -23,12 +23,21 @@ _stalls = {"detected": 0, "resolved": 0}
 _logged_requests: OrderedDict[str, None] = OrderedDict()
 # The process that registered the summary; a forked child registers its own.
 _summary_pid: int | None = None
+# The alignment unit of the scheduler built last (0: none built, or unreadable).
+_block_size = 0
+
+
+def note_block_size(block_size: int) -> None:
+    global _block_size
+    with _lock:
+        _block_size = block_size
 
 
 def stats() -> dict[str, int]:
-    """This process's correction counters."""
+    """This process's correction counters, and the block size corrections align to."""
     with _lock:
         return {
+            "block_size": _block_size,
             "collapses_prevented": _counts[Action.COLLAPSE_PREVENTED],
             "chunks_realigned": _counts[Action.REALIGNED],
             "chunks_stopped_at_encoder_input": _counts[Action.STOPPED_AT_ENCODER_INPUT],
@@ -39,7 +48,9 @@ def stats() -> dict[str, int]:
 
 
 def reset() -> None:
+    global _block_size
     with _lock:
+        _block_size = 0
         for action in _counts:
             _counts[action] = 0
         for kind in _stalls:
@@ -74,6 +85,7 @@ def record_stall(resolved: bool = False) -> None:
 def log_summary() -> None:
     """Logged at process shutdown when anything was corrected."""
     counts = stats()
+    counts.pop("block_size")
     if any(counts.values()):
         logger.info(
             "vllm-mamba-fix: this process prevented %d collapses, re-aligned %d chunks, "

@@ -21,9 +21,7 @@ import inspect
 import textwrap
 from dataclasses import dataclass
 
-SPLIT_METHOD = "_mamba_block_aligned_split"
-ENCODER_METHOD = "_try_schedule_encoder_inputs"
-FREE_METHOD = "_free_encoder_inputs"
+from vllm_mamba_fix.targets import ENCODER_METHOD, FREE_METHOD, SPLIT_METHOD
 
 
 @dataclass(frozen=True)
@@ -33,6 +31,8 @@ class Evidence:
     split_after_encoder: bool | None = None
     deferred_encoder_free: bool | None = None
     problem: str | None = None  # why something could not be read
+    # The class whose own ``schedule()`` was read (the first in the MRO that defines one).
+    schedule_owner: str = "Scheduler"
 
 
 UNREADABLE = Evidence(problem="no scheduler code was read")
@@ -100,17 +100,26 @@ def _source(cls: type, name: str) -> str | None:
         return None
 
 
+def defining_class(cls: type, name: str) -> type | None:
+    """The class in ``cls``'s MRO whose own namespace holds ``name``."""
+    return next((klass for klass in cls.__mro__ if name in vars(klass)), None)
+
+
 def read_evidence(scheduler_cls: type) -> Evidence:
-    """The installed scheduler's evidence; never raises."""
+    """Evidence from the `schedule()` `scheduler_cls` runs (its own or inherited); never raises."""
+    owner_name = "Scheduler"
     try:
+        owner_name = scheduler_cls.__name__
+        owner = defining_class(scheduler_cls, "schedule")
+        owner_name = owner.__name__ if owner is not None else owner_name
         schedule = _source(scheduler_cls, "schedule")
         free = _source(scheduler_cls, FREE_METHOD)
         order = split_after_encoder(schedule) if schedule else None
         deferred = deferred_encoder_free(free) if free else None
     except Exception as exc:  # a host quirk must never break vLLM
-        return Evidence(problem=f"{type(exc).__name__}: {exc}")
+        return Evidence(problem=f"{type(exc).__name__}: {exc}", schedule_owner=owner_name)
     problem = None
     if order is None:
-        problem = "the order of the split and encoder budgeting in Scheduler.schedule"
+        problem = f"the order of the split and encoder budgeting in {owner_name}.schedule"
         problem = f"could not read {problem}"
-    return Evidence(order, deferred, problem)
+    return Evidence(order, deferred, problem, owner_name)

@@ -3,6 +3,11 @@
 vLLM calls ``register()`` in every process it starts and does not catch what
 a general plugin raises, so nothing here may raise. When in doubt, vLLM is
 left untouched and one log line says why.
+
+Two steps: when the scheduler module is imported, the base ``Scheduler`` gets
+the rules its own code needs; when the engine builds a scheduler, its class is
+checked, settled (:func:`vllm_mamba_fix.patch.settle_method`) and recorded
+(:mod:`vllm_mamba_fix.record`), and one active line per class says what runs.
 """
 
 from __future__ import annotations
@@ -10,26 +15,44 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
-from vllm_mamba_fix import __version__, counters, patch
+from vllm_mamba_fix import __version__, counters, import_hook, patch, record
 from vllm_mamba_fix._log import logger
+from vllm_mamba_fix.blocks import BlockUnit, set_block_unit, unit_of_scheduler
 from vllm_mamba_fix.config import Settings, load_settings
 from vllm_mamba_fix.evidence import read_evidence
+from vllm_mamba_fix.policy import Plan, Preflight, Rule, plan, preflight
+from vllm_mamba_fix.record import ClassRecord, MethodState
 from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.versions import (
-    Family,
-    Plan,
-    PrefillGate,
-    Rule,
-    family_for,
-    plan,
-    preflight,
-)
+from vllm_mamba_fix.targets import INIT_METHOD, RULE_METHODS, SCHEDULER_CLASS
+from vllm_mamba_fix.versions import Family, PrefillGate, family_for
+from vllm_mamba_fix.wrappers import EncoderOptions, WrapOptions
 
 _lock = threading.RLock()
-_patched: list[type] = []
 _said: set[str] = set()  # lines logged once per process
+
+PREFLIGHT_LOG_LEVEL = {
+    Preflight.DISABLED: logging.INFO,
+    Preflight.ABSENT: logging.INFO,
+    Preflight.UNREADABLE_VERSION: logging.WARNING,
+    Preflight.FORCED: logging.INFO,
+    Preflight.PROCEED: logging.DEBUG,
+}
+
+
+@dataclass(frozen=True)
+class _Installed:
+    base: type
+    settings: Settings
+    family: Family
+    version: str
+    policy: ScopePolicy
+
+
+_installed: _Installed | None = None
 
 
 def _say_once(level: int, message: str) -> None:
@@ -55,7 +78,11 @@ def register(settings: Settings | None = None) -> None:
     """
     try:
         with _lock:
-            _register(load_settings() if settings is None else settings)
+            callback = _register(load_settings() if settings is None else settings)
+        if callback is not None:
+            # Outside the lock: this may wait for another thread's import, whose
+            # callback takes the lock.
+            import_hook.when_scheduler_imported(callback)
     except Exception as exc:
         _say_once(
             logging.WARNING,
@@ -63,122 +90,173 @@ def register(settings: Settings | None = None) -> None:
         )
 
 
-def _register(settings: Settings) -> None:
+def _register(settings: Settings) -> Any:
     for problem in settings.problems:
         _say_once(logging.WARNING, problem)
     version = _vllm_version()
     if version is None:
-        return
+        return None
     family = family_for(version)
-    should_wait, level, reason = preflight(settings.mode, family, version)
-    _say_once(level, reason)
-    if should_wait:
-        patch.when_scheduler_imported(
-            lambda module: _patch_scheduler(module, settings, family, version)
+    checked = preflight(settings.mode, family, version)
+    _say_once(PREFLIGHT_LOG_LEVEL[checked.outcome], checked.reason)
+    if not checked.outcome.waits_for_scheduler:
+        return None
+    return lambda module: _patch_scheduler(module, settings, family, version)
+
+
+def _rule_options(decided: Plan, settings: Settings, family: Family, policy: ScopePolicy) -> Any:
+    rules = decided.rules
+    split = None
+    if Rule.SPLIT in rules:
+        # FORCE on an unreadable version has no gate of its own: 0.17+'s.
+        split = WrapOptions(family.prefill_gate or PrefillGate.BEFORE_PREFILL_END, policy)
+    encoder = None
+    if rules & {Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG}:
+        encoder = EncoderOptions(
+            policy,
+            release_speculative_stalls=Rule.SPECULATIVE_STALL in rules,
+            stall_seconds=settings.stall_seconds,
         )
+    return patch.RuleOptions(split, encoder)
+
+
+def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, Any]:
+    settings = installed.settings
+    evidence = read_evidence(cls)
+    decided = plan(settings.mode, installed.family, evidence, settings.stall_seconds)
+    return decided, evidence
 
 
 def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, version: str) -> None:
+    global _installed
     try:
         with _lock:
-            scheduler_cls = getattr(module, patch.SCHEDULER_CLASS, None)
-            if not isinstance(scheduler_cls, type):
+            base = getattr(module, SCHEDULER_CLASS, None)
+            if not isinstance(base, type):
                 _say_once(
                     logging.WARNING, f"{module.__name__} has no Scheduler class; not patching"
                 )
                 return
-            if any(patch.is_wrapped(scheduler_cls, name) for name in patch.WRAPPED_METHODS):
-                logger.debug("vllm-mamba-fix: already active in this process")
+            if _installed is not None or patch.is_wrapped(base, INIT_METHOD):
+                logger.debug("vllm-mamba-fix: already installed in this process")
                 return
-            decided = plan(
-                settings.mode, family, read_evidence(scheduler_cls), settings.stall_seconds
-            )
-            if not decided.rules:
-                _say_once(
-                    logging.INFO,
-                    f"not needed on vLLM {version}: {decided.describe()}; "
-                    "leaving the scheduler untouched",
-                )
-                return
-            installed, rules = _install(scheduler_cls, decided, settings, family)
-            if not installed:
-                return
-            _patched.append(scheduler_cls)
+            policy = ScopePolicy(settings.scope)
+            policy.load()  # here, not in the first scheduling step that needs it
+            installed = _Installed(base, settings, family, version, policy)
+            decided, _ = _plan_for(base, installed)
+            options = _rule_options(decided, settings, family, policy)
+            wrapped, problems = patch.install_on_base(base, options, _on_scheduler_built)
+            for name, problem in problems.items():
+                _say_once(logging.WARNING, f"not patching {name}: {problem}")
+            _installed = installed
             counters.register_shutdown_summary()
-            logger.info(
-                "vllm-mamba-fix %s active: patched %s; %s (vLLM %s, family %s, scope %s, pid %d)",
+            logger.debug(
+                "vllm-mamba-fix %s installed on %s (%s); each scheduler vLLM builds is checked",
                 __version__,
-                " and ".join(f"Scheduler.{name}" for name in installed),
-                decided.describe(rules),
-                version,
-                family.name,
-                settings.scope.value,
-                os.getpid(),
+                base.__qualname__,
+                ", ".join(wrapped) or "nothing",
             )
-            for subclass in patch.overriding_subclasses(scheduler_cls, installed):
-                _warn_override(subclass, installed)
-            patch.watch_subclasses(
-                scheduler_cls, lambda subclass: _warn_override(subclass, installed), installed
-            )
+            if INIT_METHOD not in wrapped:
+                check_class(base)  # no per-construction check: report the base now
     except Exception as exc:
         _say_once(logging.WARNING, f"not patching after an error ({type(exc).__name__}: {exc})")
 
 
-def _install(
-    scheduler_cls: type, decided: Plan, settings: Settings, family: Family
-) -> tuple[tuple[str, ...], frozenset[Rule]]:
-    """Wrap what the plan asks for; a method whose shape is unexpected is left stock.
+def _on_scheduler_built(scheduler: Any) -> None:
+    """Runs at the end of ``Scheduler.__init__`` (once per construction, never per step)."""
+    unit = unit_of_scheduler(scheduler)
+    set_block_unit(scheduler, unit)
+    counters.note_block_size(unit.size)
+    check_class(type(scheduler), unit)
 
-    Returns the wrapped methods and the rules they carry.
+
+def check_class(cls: type, unit: BlockUnit | None = None) -> ClassRecord | None:
+    """Settle ``cls`` (the class the engine builds) and record it; logs when the record changes.
+
+    Doctor calls it without a scheduler (``unit`` None) for ``--scheduler-cls``.
     """
-    policy = ScopePolicy(settings.scope)
-    policy.load()  # here, not in the first scheduling step that needs it
-    installed: list[str] = []
-    rules: set[Rule] = set()
-    if Rule.SPLIT in decided.rules:
-        problem = patch.check_target(scheduler_cls, patch.METHOD_NAME)
-        if problem is not None:
-            _say_once(logging.WARNING, f"not patching: {problem}")
-        else:
-            # FORCE on an unreadable version has no gate of its own: 0.17+'s.
-            gate = family.prefill_gate or PrefillGate.BEFORE_PREFILL_END
-            patch.wrap(scheduler_cls, patch.WrapOptions(gate, policy))
-            installed.append(patch.METHOD_NAME)
-            rules.add(Rule.SPLIT)
-    encoder_rules = decided.rules & {Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG}
-    if encoder_rules:
-        problem = patch.check_target(scheduler_cls, patch.ENCODER_METHOD_NAME)
-        if problem is not None:
-            names = " and ".join(sorted(rule.value for rule in encoder_rules))
-            _say_once(logging.WARNING, f"not installing {names}: {problem}")
-        else:
-            options = patch.EncoderOptions(
-                policy,
-                release_speculative_stalls=Rule.SPECULATIVE_STALL in decided.rules,
-                stall_seconds=settings.stall_seconds,
+    with _lock:
+        installed = _installed
+        if installed is None:
+            return None
+        decided, evidence = _plan_for(cls, installed)
+        options = _rule_options(decided, installed.settings, installed.family, installed.policy)
+        owner_options: dict[type, Any] = {cls: options}
+
+        def options_of(owner: type) -> Any:
+            if owner not in owner_options:
+                owner_plan, _ = _plan_for(owner, installed)
+                owner_options[owner] = _rule_options(
+                    owner_plan, installed.settings, installed.family, installed.policy
+                )
+            return owner_options[owner]
+
+        methods = tuple(
+            patch.settle_method(
+                cls,
+                installed.base,
+                name,
+                options.for_method(name),
+                lambda owner, name=name: options_of(owner).for_method(name) is not None,
             )
-            patch.wrap_encoder(scheduler_cls, options)
-            installed.append(patch.ENCODER_METHOD_NAME)
-            rules |= encoder_rules
-    return tuple(installed), frozenset(rules)
+            for name in RULE_METHODS
+        )
+        result = ClassRecord(
+            f"{cls.__module__}.{cls.__qualname__}", decided, evidence, methods, unit
+        )
+        if record.remember(result):
+            _log_record(result, installed)
+        return result
 
 
-def _warn_override(subclass: type, installed: tuple[str, ...]) -> None:
-    overridden = " and ".join(patch.overridden_methods(subclass, installed))
-    _say_once(
-        logging.WARNING,
-        f"{subclass.__module__}.{subclass.__qualname__} overrides "
-        f"{overridden}; the fix does not reach that scheduler",
+def _log_record(result: ClassRecord, installed: _Installed) -> None:
+    for method in result.methods:
+        if method.state in (MethodState.OVERRIDDEN, MethodState.UNPATCHABLE):
+            _say_once(
+                logging.WARNING,
+                f"{result.scheduler_class}: {method.describe()}; the fix does not reach it",
+            )
+        elif method.state is MethodState.WRAPPED_REPLACEMENT:
+            _say_once(logging.WARNING, f"{result.scheduler_class}: {method.describe()}")
+    unit = result.block
+    if unit is not None and unit.differs:
+        _say_once(logging.WARNING, unit.mismatch_warning())
+    if unit is not None and unit.mamba is None and Rule.SPLIT in result.rules:
+        _say_once(
+            logging.WARNING,
+            f"the split rule stands down for {result.scheduler_class}: {unit.problem}",
+        )
+    if not result.rules:
+        _say_once(
+            logging.INFO,
+            f"not needed for {result.scheduler_class} on vLLM {installed.version}: "
+            f"{result.plan.describe()}; leaving it stock",
+        )
+        return
+    wrapped = [m for m in result.methods if m.state.carries_rules]
+    logger.info(
+        "vllm-mamba-fix %s active: %s carries %s; block size %s; wraps %s "
+        "(vLLM %s, family %s, scope %s, pid %d)",
+        __version__,
+        result.scheduler_class,
+        result.plan.describe(result.rules),
+        "unknown (dry run)" if unit is None else unit.describe(),
+        ", ".join(m.wraps or m.name for m in wrapped),
+        installed.version,
+        installed.family.name,
+        installed.settings.scope.value,
+        os.getpid(),
     )
 
 
 def unregister() -> bool:
     """Undo :func:`register` in this process. Returns whether anything was undone."""
+    global _installed
     with _lock:
-        undone = patch.cancel_pending_hook()
-        for scheduler_cls in _patched:
-            undone = patch.unwrap(scheduler_cls) or undone
-        _patched.clear()
+        undone = import_hook.cancel_pending_hook()
+        undone = patch.undo() or undone
+        _installed = None
+        record.forget_all()
         _said.clear()
     if undone:
         logger.info("vllm-mamba-fix: removed; vLLM's scheduler is stock again")

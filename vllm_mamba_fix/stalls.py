@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -29,7 +30,11 @@ class Streak:
 
 
 class ZeroStreaks:
-    """Consecutive 0-token results per request, bounded in size."""
+    """Consecutive 0-token results per request, bounded in size.
+
+    Every instance is known to :func:`forget_request`, which vLLM's freeing of a
+    request calls, so no streak outlives its request.
+    """
 
     def __init__(self, capacity: int = _MAX_TRACKED_REQUESTS) -> None:
         # Read-only outside this class; the hot path tests it directly (a
@@ -37,6 +42,7 @@ class ZeroStreaks:
         self.by_request: OrderedDict[str, Streak] = OrderedDict()
         self._capacity = capacity
         self._lock = threading.Lock()
+        _all_streaks.add(self)
 
     def zero(self, request_id: str, position: int, now: float) -> tuple[Streak, Streak | None]:
         """Count a 0 at ``position``; returns the streak and one it ended by moving."""
@@ -56,6 +62,21 @@ class ZeroStreaks:
         """The request got tokens: end its streak, returning it."""
         with self._lock:
             return self.by_request.pop(request_id, None)
+
+
+_all_streaks: weakref.WeakSet[ZeroStreaks] = weakref.WeakSet()
+
+
+def forget_request(request_id: str) -> None:
+    """The request is finished or aborted: drop its streaks everywhere."""
+    for streaks in list(_all_streaks):
+        if streaks.by_request:
+            streaks.clear(request_id)
+
+
+def tracked_requests() -> set[str]:
+    """Requests with a streak in any store (for tests and doctor)."""
+    return {rid for streaks in list(_all_streaks) for rid in list(streaks.by_request)}
 
 
 def watchdog_due(streak: Streak, now: float, seconds: float) -> bool:

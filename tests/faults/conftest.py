@@ -23,17 +23,27 @@ from typing import Any
 
 import pytest
 
-from vllm_mamba_fix import counters, patch, plugin
+from vllm_mamba_fix import counters, import_hook, patch, plugin, record, targets
 
 PLUGIN_LOGGER = "vllm.mamba_fix"
-SCHEDULER_MODULE = patch.SCHEDULER_MODULE
-METHOD = patch.METHOD_NAME
+SCHEDULER_MODULE = targets.SCHEDULER_MODULE
+METHOD = targets.SPLIT_METHOD
 PLUGIN_ENV = ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE")
 BLOCK = 128
 
+# The stock encoder method's def line; tests swap it for other signatures.
+STOCK_ENCODER_DEF = """    def _try_schedule_encoder_inputs(
+        self,
+        request,
+        num_computed_tokens,
+        num_new_tokens,
+        encoder_compute_budget,
+        shift_computed_tokens=0,
+    ):"""
+
 # A 0.27-shaped scheduler whose split floors the chunk to whole blocks, so a
 # sub-block chunk returns 0: the collapse the plugin exists to correct.
-STOCK_SCHEDULER = """
+STOCK_SCHEDULER = f"""
 from types import SimpleNamespace
 
 
@@ -49,9 +59,17 @@ class EncoderCacheManager:
         return set()
 
 
+class MambaSpec:
+    def __init__(self, block_size):
+        self.block_size = block_size
+
+
 class Scheduler(SchedulerInterface):
     def __init__(self, block_size=128):
         self.cache_config = SimpleNamespace(block_size=block_size)
+        # The block the Mamba cache stores, which the plugin aligns to.
+        group = SimpleNamespace(kv_cache_spec=MambaSpec(block_size))
+        self.kv_cache_config = SimpleNamespace(kv_cache_groups=[group])
         self.use_eagle = False
         self.encoder_cache_manager = EncoderCacheManager()
         self.encoder_blocked = False  # tests set it: no encoder input fits
@@ -62,19 +80,15 @@ class Scheduler(SchedulerInterface):
             n = self._try_schedule_encoder_inputs(request, 0, 1, 1, shift_computed_tokens=0)[1]
             self._mamba_block_aligned_split(request, n)
 
+    def _free_request(self, request):
+        return None
+
     def _free_encoder_inputs(self, request):
         # Deferred by the drafter's look-ahead, as 0.24-0.32 do.
         spec_lookahead = 1 if self.use_eagle else 0
         return spec_lookahead
 
-    def _try_schedule_encoder_inputs(
-        self,
-        request,
-        num_computed_tokens,
-        num_new_tokens,
-        encoder_compute_budget,
-        shift_computed_tokens=0,
-    ):
+{STOCK_ENCODER_DEF}
         if self.encoder_blocked:
             return [], 0, encoder_compute_budget, []
         return [], num_new_tokens, encoder_compute_budget, []
@@ -195,26 +209,33 @@ def clean_plugin_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in PLUGIN_ENV:
         monkeypatch.delenv(name, raising=False)
     meta_path = list(sys.meta_path)
-    saved_patched = list(plugin._patched)
+    saved_installed = plugin._installed
+    saved_changes = list(patch._changes)
+    saved_records = dict(record._records)
     saved_said = set(plugin._said)
-    saved_hook = patch._pending_hook
+    saved_hook = import_hook._pending_hook
     saved_counts = dict(counters._counts)
     saved_logged = counters._logged_requests.copy()
     # A pending hook left by another suite would fire on our fake scheduler.
-    sys.meta_path[:] = [f for f in meta_path if not isinstance(f, patch.PostImportHook)]
-    plugin._patched.clear()
+    sys.meta_path[:] = [f for f in meta_path if not isinstance(f, import_hook.PostImportHook)]
+    plugin._installed = None
+    patch._changes.clear()
+    record._records.clear()
     plugin._said.clear()
-    patch._pending_hook = None
+    import_hook._pending_hook = None
     counters.reset()
     try:
         yield
     finally:
         plugin.unregister()  # unwraps our fake classes, cancels our pending hook
         sys.meta_path[:] = meta_path
-        plugin._patched[:] = saved_patched
+        plugin._installed = saved_installed
+        patch._changes[:] = saved_changes
+        record._records.clear()
+        record._records.update(saved_records)
         plugin._said.clear()
         plugin._said.update(saved_said)
-        patch._pending_hook = saved_hook
+        import_hook._pending_hook = saved_hook
         counters._counts.update(saved_counts)
         counters._logged_requests.clear()
         counters._logged_requests.update(saved_logged)
@@ -306,16 +327,16 @@ def scheduler_method(cls: type) -> Any:
 
 
 def is_patched(cls: type) -> bool:
-    return hasattr(scheduler_method(cls), patch.MARKER)
+    return hasattr(scheduler_method(cls), targets.MARKER)
 
 
 def original_function(cls: type) -> Any:
     """The method under any wrappers of ours; asserts there is exactly one layer."""
     method = scheduler_method(cls)
-    if not hasattr(method, patch.MARKER):
+    if not hasattr(method, targets.MARKER):
         return method
     inner = method.__wrapped__
-    assert not hasattr(inner, patch.MARKER), "wrapped twice"
+    assert not hasattr(inner, targets.MARKER), "wrapped twice"
     return inner
 
 

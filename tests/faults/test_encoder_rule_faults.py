@@ -16,25 +16,18 @@ import pytest
 import vllm_mamba_fix
 from tests.faults.conftest import (
     FIXED_SCHEDULER,
+    STOCK_ENCODER_DEF,
     STOCK_SCHEDULER,
     FakeRequest,
     FakeVllm,
     LogCapture,
 )
-from vllm_mamba_fix import patch, register
+from vllm_mamba_fix import patch, register, targets, wrappers
 
 FakeFactory = Callable[..., FakeVllm]
-ENCODER = patch.ENCODER_METHOD_NAME
-GOOD_ENCODER = """    def _try_schedule_encoder_inputs(
-        self,
-        request,
-        num_computed_tokens,
-        num_new_tokens,
-        encoder_compute_budget,
-        shift_computed_tokens=0,
-    ):"""
+ENCODER = targets.ENCODER_METHOD
 BAD_ENCODER = STOCK_SCHEDULER.replace(
-    GOOD_ENCODER,
+    STOCK_ENCODER_DEF,
     "    def _try_schedule_encoder_inputs(self, request, computed, n, budget, shift=0):",
 )
 assert BAD_ENCODER != STOCK_SCHEDULER
@@ -96,10 +89,10 @@ def test_vllms_own_error_in_the_encoder_method_propagates(fake_vllm: FakeFactory
 
     original = scheduler.__dict__[ENCODER].__wrapped__
     instance.encoder_cache_manager = None  # unused: the original raises first
-    patch.unwrap(scheduler)
+    patch.undo(scheduler)
     setattr(scheduler, ENCODER, boom)
     try:
-        options = patch.EncoderOptions(
+        options = wrappers.EncoderOptions(
             patch.ScopePolicy(vllm_mamba_fix.config.Scope.MULTIMODAL), True, 0.0
         )
         patch.wrap_encoder(scheduler, options)
@@ -107,7 +100,7 @@ def test_vllms_own_error_in_the_encoder_method_propagates(fake_vllm: FakeFactory
             instance._try_schedule_encoder_inputs(_image_request(), 300, 64, 10)
         assert excinfo.value is error
     finally:
-        patch.unwrap(scheduler)
+        patch.undo(scheduler)
         setattr(scheduler, ENCODER, original)
 
 

@@ -25,7 +25,7 @@ from tests.faults.conftest import (
     original_function,
     scheduler_method,
 )
-from vllm_mamba_fix import patch, plugin, register, unregister
+from vllm_mamba_fix import import_hook, patch, plugin, register, targets, unregister, versions, wrappers
 
 FakeFactory = Callable[..., FakeVllm]
 
@@ -54,8 +54,8 @@ def test_vllm_not_importable_in_process(
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     register()
     _assert_one_warning(logs, "vLLM is not importable (ModuleNotFoundError)", "doing nothing")
-    assert patch._pending_hook is None
-    assert not any(isinstance(f, patch.PostImportHook) for f in sys.meta_path)
+    assert import_hook._pending_hook is None
+    assert not any(isinstance(f, import_hook.PostImportHook) for f in sys.meta_path)
 
 
 # ------------------------------------------------------- scheduler import fails
@@ -75,13 +75,13 @@ def test_scheduler_import_error_propagates_unchanged(
     fake = fake_vllm(scheduler="import fault_holder\nraise fault_holder.exc\n")
 
     register()  # deferred: installs the import hook, must not raise
-    assert isinstance(patch._pending_hook, patch.PostImportHook)
+    assert isinstance(import_hook._pending_hook, import_hook.PostImportHook)
 
     with pytest.raises(VllmOwnError) as excinfo:
         fake.import_scheduler()
     assert excinfo.value is holder.exc  # type: ignore[attr-defined]
     assert excinfo.value.__cause__ is None and excinfo.value.__context__ is None
-    assert patch.SCHEDULER_MODULE not in sys.modules
+    assert targets.SCHEDULER_MODULE not in sys.modules
     # The plugin adds nothing: no warning, no traceback, no "active" line.
     assert logs.visible == []
     logs.assert_no_traceback()
@@ -197,8 +197,8 @@ def test_already_patched_by_us_is_not_wrapped_again(
     """A wrapper left by another copy of the plugin (say, a reloaded module)."""
     scheduler = fake_vllm().import_scheduler()
     original = scheduler_method(scheduler)
-    options = patch.WrapOptions(
-        prefill_gate=patch.PrefillGate.BEFORE_PREFILL_END,
+    options = wrappers.WrapOptions(
+        prefill_gate=versions.PrefillGate.BEFORE_PREFILL_END,
         policy=patch.ScopePolicy(plugin.load_settings().scope),
     )
     patch.wrap(scheduler, options)
@@ -210,7 +210,7 @@ def test_already_patched_by_us_is_not_wrapped_again(
     logs.assert_no_traceback()
     assert logs.warnings == []
     assert [r for r in logs.records if "already active" in r.getMessage()], logs.text
-    patch.unwrap(scheduler)
+    patch.undo(scheduler)
 
 
 # -------------------------------------------------------- overriding subclasses
@@ -295,7 +295,7 @@ def test_unreadable_version_is_left_alone(
     register()
     _assert_one_warning(logs, "cannot read the vLLM version", "VLLM_MAMBA_FIX=force")
     assert not is_patched(scheduler)
-    assert patch._pending_hook is None
+    assert import_hook._pending_hook is None
 
 
 def test_missing_version_attribute(logs: LogCapture, fake_vllm: FakeFactory) -> None:
@@ -496,7 +496,7 @@ def test_concurrent_register_wraps_once(
         sys.setswitchinterval(switch)
     assert errors == []
     if deferred:
-        assert sum(isinstance(f, patch.PostImportHook) for f in sys.meta_path) == 1
+        assert sum(isinstance(f, import_hook.PostImportHook) for f in sys.meta_path) == 1
         scheduler = fake.import_scheduler()
     assert is_patched(scheduler)
     inner = original_function(scheduler)  # a single layer
@@ -518,7 +518,7 @@ class _Gate(importlib.abc.MetaPathFinder):
         self.go = threading.Event()
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
-        if fullname == patch.SCHEDULER_MODULE and not self.passed.is_set():
+        if fullname == targets.SCHEDULER_MODULE and not self.passed.is_set():
             self.passed.set()
             self.go.wait(10)
 
@@ -556,7 +556,7 @@ def test_unregister_restores_meta_path(fake_vllm: FakeFactory) -> None:
     assert len(sys.meta_path) == len(before) + 1
     unregister()
     assert sys.meta_path == before
-    assert patch._pending_hook is None
+    assert import_hook._pending_hook is None
 
 
 @pytest.mark.parametrize(

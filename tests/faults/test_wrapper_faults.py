@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import InstallScopeRule
 from tests.faults.conftest import BLOCK, FakeRequest, FakeVllm, LogCapture, scheduler_method
-from vllm_mamba_fix import patch, register, unregister
+from vllm_mamba_fix import register, targets, unregister
 
 FakeFactory = Callable[..., FakeVllm]
 
@@ -44,7 +44,7 @@ def patched(fake_vllm: FakeFactory, logs: LogCapture) -> Iterator[type]:
     """The fake 0.27 scheduler, patched through register(); logs cleared after."""
     scheduler = fake_vllm(scheduler=RAISING_SCHEDULER).import_scheduler()
     register()
-    assert hasattr(scheduler_method(scheduler), patch.MARKER)
+    assert hasattr(scheduler_method(scheduler), targets.MARKER)
     logs.clear()
     yield scheduler
 

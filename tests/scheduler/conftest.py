@@ -93,17 +93,17 @@ def wrapped_without_realign(family: Family) -> Iterator[None]:
     """The plugin's wrapper with only the re-align rule switched off."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix import patch
+    from vllm_mamba_fix import patch, wrappers
     from vllm_mamba_fix.config import Scope
     from vllm_mamba_fix.scope import ScopePolicy
 
     assert family.prefill_gate is not None
-    options = patch.WrapOptions(family.prefill_gate, ScopePolicy(Scope.MULTIMODAL), realign=False)
+    options = wrappers.WrapOptions(family.prefill_gate, ScopePolicy(Scope.MULTIMODAL), realign=False)
     patch.wrap(Scheduler, options)
     try:
         yield
     finally:
-        patch.unwrap(Scheduler)
+        patch.undo(Scheduler)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 
-from vllm_mamba_fix import patch
+from vllm_mamba_fix import targets
 from vllm_mamba_fix.evidence import read_evidence
 from vllm_mamba_fix.versions import CutShift, Family, Verdict
 
@@ -28,8 +28,8 @@ def test_code_evidence_agrees_with_the_version(family: Family) -> None:
 
 def test_both_methods_have_the_expected_shape(family: Family) -> None:
     scheduler = _scheduler()
-    assert patch.check_target(scheduler, patch.METHOD_NAME) is None
-    assert patch.check_target(scheduler, patch.ENCODER_METHOD_NAME) is None
+    assert targets.check_target(scheduler, targets.SPLIT_METHOD) is None
+    assert targets.check_target(scheduler, targets.ENCODER_METHOD) is None
 
 
 def test_the_cut_shift_is_the_one_the_family_names(family: Family) -> None:

@@ -27,9 +27,9 @@ GAPS = (0, 1, 2)
 def _encoder_is_wrapped() -> bool:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix import patch
+    from vllm_mamba_fix import patch, targets
 
-    return patch.is_wrapped(Scheduler, patch.ENCODER_METHOD_NAME)
+    return patch.is_wrapped(Scheduler, targets.ENCODER_METHOD)
 
 
 def _run(mode: Mode, gap: int) -> RunResult:

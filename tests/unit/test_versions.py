@@ -7,15 +7,14 @@ import pytest
 
 from vllm_mamba_fix.config import Mode
 from vllm_mamba_fix.evidence import UNREADABLE, Evidence
+from vllm_mamba_fix.plugin import PREFLIGHT_LOG_LEVEL
+from vllm_mamba_fix.policy import Preflight, Rule, plan, preflight
 from vllm_mamba_fix.versions import (
     FAMILIES,
     CutShift,
     PrefillGate,
-    Rule,
     Verdict,
     family_for,
-    plan,
-    preflight,
     release_of,
 )
 
@@ -74,23 +73,27 @@ def test_family_facts_match_the_release_notes() -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "version", "waits", "level", "says"),
+    ("mode", "version", "outcome", "waits", "level", "says"),
     [
-        (Mode.AUTO, "0.27.1", True, logging.DEBUG, "family 0.27"),
-        (Mode.AUTO, "0.15.0", True, logging.DEBUG, "family 0.15"),
-        (Mode.AUTO, "0.33.0", True, logging.DEBUG, "family 0.33+"),
-        (Mode.FORCE, "0.28.0", True, logging.INFO, "force"),
-        (Mode.AUTO, "0.14.1", False, logging.INFO, "has no Scheduler"),
-        (Mode.FORCE, "0.14.1", False, logging.INFO, "has no Scheduler"),
-        (Mode.AUTO, "dev", False, logging.WARNING, "cannot read"),
-        (Mode.FORCE, "dev", True, logging.INFO, "force"),
-        (Mode.OFF, "0.27.1", False, logging.INFO, "disabled"),
+        (Mode.AUTO, "0.27.1", Preflight.PROCEED, True, logging.DEBUG, "family 0.27"),
+        (Mode.AUTO, "0.15.0", Preflight.PROCEED, True, logging.DEBUG, "family 0.15"),
+        (Mode.AUTO, "0.33.0", Preflight.PROCEED, True, logging.DEBUG, "family 0.33+"),
+        (Mode.FORCE, "0.28.0", Preflight.FORCED, True, logging.INFO, "force"),
+        (Mode.AUTO, "0.14.1", Preflight.ABSENT, False, logging.INFO, "has no Scheduler"),
+        (Mode.FORCE, "0.14.1", Preflight.ABSENT, False, logging.INFO, "has no Scheduler"),
+        (Mode.AUTO, "dev", Preflight.UNREADABLE_VERSION, False, logging.WARNING, "cannot read"),
+        (Mode.FORCE, "dev", Preflight.FORCED, True, logging.INFO, "force"),
+        (Mode.OFF, "0.27.1", Preflight.DISABLED, False, logging.INFO, "disabled"),
     ],
 )
-def test_preflight(mode: Mode, version: str, waits: bool, level: int, says: str) -> None:
-    should_wait, log_level, reason = preflight(mode, family_for(version), version)
-    assert (should_wait, log_level) == (waits, level)
-    assert says in reason
+def test_preflight(
+    mode: Mode, version: str, outcome: Preflight, waits: bool, level: int, says: str
+) -> None:
+    result = preflight(mode, family_for(version), version)
+    assert result.outcome is outcome
+    assert result.outcome.waits_for_scheduler is waits
+    assert PREFLIGHT_LOG_LEVEL[result.outcome] == level
+    assert says in result.reason
 
 
 def _rules(version: str, evidence: Evidence = UNREADABLE, **kwargs: object) -> frozenset[Rule]:

@@ -1,0 +1,153 @@
+"""Run a callback on the scheduler module once it is imported, without importing it early.
+
+Processes that never import the scheduler (the front end, the workers) must not pay
+for importing it just to patch it. wrapt's post-import hooks do the same job but
+would add a compiled dependency and cannot be removed, which ``unregister()`` and
+doctor's dry run need; the semantics here follow wrapt's:
+
+- the callback runs once, on the import that succeeds: a failed first import keeps
+  the hook for the next try;
+- a module that another thread is importing is waited for, never read half-built;
+- a ``find_spec`` that only probes (``importlib.util.find_spec``) does not use the hook up.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_mamba_fix.targets import SCHEDULER_MODULE
+
+
+class _NotifyingLoader(importlib.abc.Loader):
+    """Runs the real loader, then the hook's callback on the fresh module."""
+
+    def __init__(self, loader: importlib.abc.Loader, on_loaded: Callable[[ModuleType], None]):
+        self._loader = loader
+        self._on_loaded = on_loaded
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # The module should see its real loader (for source lookups and reloads).
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)  # raises: the hook stays for the next import
+        self._on_loaded(module)
+
+
+class PostImportHook(importlib.abc.MetaPathFinder):
+    """Calls ``on_loaded(module)`` right after ``module_name`` is imported successfully."""
+
+    def __init__(self, module_name: str, on_loaded: Callable[[ModuleType], None]) -> None:
+        self.module_name = module_name
+        self._on_loaded = on_loaded
+        self._searching = threading.local()  # keeps our own search below from finding us
+
+    def install(self) -> None:
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.module_name or getattr(self._searching, "active", False):
+            return None
+        self._searching.active = True
+        try:
+            for finder in list(sys.meta_path):
+                find_spec = getattr(finder, "find_spec", None)
+                if finder is self or find_spec is None:
+                    continue
+                spec = find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._searching.active = False
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _NotifyingLoader(spec.loader, self._on_loaded)
+        return spec
+
+
+_hook_lock = threading.Lock()
+_pending_hook: PostImportHook | None = None
+
+
+def _initialising(module: ModuleType) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def _wait_for_import_in_progress(name: str) -> None:
+    """Block while another thread holds ``name``'s import lock (CPython's per-module lock).
+
+    Only CPython's private ``_ModuleLockManager`` can wait on that lock without starting
+    an import ourselves; where it is missing, or waiting would deadlock, we do not wait.
+    """
+    try:
+        from importlib._bootstrap import _ModuleLockManager  # type: ignore[attr-defined]
+
+        with _ModuleLockManager(name):
+            pass
+    except Exception:  # ImportError, or CPython's _DeadlockError
+        return
+
+
+def when_scheduler_imported(callback: Callable[[ModuleType], None]) -> bool:
+    """Run ``callback`` on the scheduler module now if it is imported, else on its import.
+
+    Returns True when the callback ran now. Call it with no lock held that the callback
+    takes: it may wait for another thread's import, whose callback takes that lock.
+    """
+    global _pending_hook
+    done = threading.Event()
+
+    def run_once(module: ModuleType) -> None:
+        global _pending_hook
+        with _hook_lock:
+            if done.is_set():
+                return
+            done.set()
+            hook, _pending_hook = _pending_hook, None
+        if hook is not None:
+            hook.remove()
+        callback(module)
+
+    with _hook_lock:
+        module = sys.modules.get(SCHEDULER_MODULE)
+        if module is None and _pending_hook is None:
+            _pending_hook = PostImportHook(SCHEDULER_MODULE, run_once)
+            _pending_hook.install()
+        elif module is None:
+            return False  # a hook is armed already
+    # Another thread may be importing the module: past our hook's place in the scan, or
+    # executing it. Wait for it, then look again.
+    _wait_for_import_in_progress(SCHEDULER_MODULE)
+    module = sys.modules.get(SCHEDULER_MODULE)
+    if module is None or _initialising(module):
+        return False  # the hook runs the callback (a same-thread import in progress, too)
+    run_once(module)
+    return True
+
+
+def cancel_pending_hook() -> bool:
+    global _pending_hook
+    with _hook_lock:
+        hook, _pending_hook = _pending_hook, None
+    if hook is None:
+        return False
+    hook.remove()
+    return True

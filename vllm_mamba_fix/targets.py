@@ -1,0 +1,91 @@
+"""What the plugin touches in vLLM: module, class, method names and their expected shapes.
+
+The one home of these names; the wrappers, the installer, the code evidence and
+doctor import them from here. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+SCHEDULER_CLASS = "Scheduler"
+SPLIT_METHOD = "_mamba_block_aligned_split"
+ENCODER_METHOD = "_try_schedule_encoder_inputs"
+FREE_METHOD = "_free_encoder_inputs"
+# Wrapped so each built scheduler is checked once (its class, its cache's block size).
+INIT_METHOD = "__init__"
+# Wrapped so per-request state ends with the request (finished or aborted).
+FREE_REQUEST_METHOD = "_free_request"
+# The rule-carrying methods, in the order the log names them.
+RULE_METHODS = (SPLIT_METHOD, ENCODER_METHOD)
+
+SPLIT_LEADING_PARAMETERS = ("self", "request", "num_new_tokens")
+# The extra computed-token arguments the waiting loop passes, in order.
+EXTRA_COMPUTED_PARAMETERS = ("num_new_local_computed_tokens", "num_external_computed_tokens")
+# Trailing parameters of every release's split (0.24-0.25 add the third).
+KNOWN_SPLIT_TRAILING_PARAMETERS = (
+    *EXTRA_COMPUTED_PARAMETERS,
+    "num_uncached_common_prefix_tokens",
+)
+# Every release from 0.15 to 0.33 has exactly these.
+ENCODER_PARAMETERS = (
+    "self", "request", "num_computed_tokens", "num_new_tokens", "encoder_compute_budget",
+    "shift_computed_tokens",
+)  # fmt: skip
+FREE_REQUEST_LEADING_PARAMETERS = ("self", "request")
+
+# Set on the plugin's wrappers (its value: the wrapper's options), so a second patch and
+# the per-scheduler check recognise them.
+MARKER = "__vllm_mamba_fix__"
+
+
+def describe_function(function: Any) -> str:
+    """``module.qualname`` of a function, for log lines and doctor."""
+    module = getattr(function, "__module__", None) or "?"
+    name = getattr(function, "__qualname__", None) or getattr(function, "__name__", repr(function))
+    return f"{module}.{name}"
+
+
+def shape_problem(method: Any, qualified: str, name: str) -> str | None:
+    """Why ``method`` (found as ``qualified``) cannot carry the wrapper of ``name``, or None."""
+    if hasattr(method, MARKER):
+        return f"{qualified} is already patched by vllm-mamba-fix"
+    if not inspect.isfunction(method):
+        return f"{qualified} is a {type(method).__name__}, not a plain method"
+    if hasattr(method, "__wrapped__"):
+        return f"{qualified} is already wrapped by another library"
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError) as exc:
+        return f"the signature of {qualified} cannot be read ({exc})"
+    parameters = tuple(signature.parameters)
+    if name == ENCODER_METHOD:
+        shift = signature.parameters.get("shift_computed_tokens")
+        if parameters == ENCODER_PARAMETERS and shift is not None and shift.default == 0:
+            return None
+        return (
+            f"{qualified} has an unexpected signature ({', '.join(parameters)}); "
+            f"expected ({', '.join(ENCODER_PARAMETERS)}=0)"
+        )
+    leading = {
+        SPLIT_METHOD: SPLIT_LEADING_PARAMETERS,
+        FREE_REQUEST_METHOD: FREE_REQUEST_LEADING_PARAMETERS,
+        INIT_METHOD: ("self",),
+    }[name]
+    if parameters[: len(leading)] != leading:
+        return (
+            f"{qualified} has an unexpected signature "
+            f"({', '.join(parameters)}); expected it to start with ({', '.join(leading)})"
+        )
+    return None
+
+
+def check_target(cls: type, name: str = SPLIT_METHOD) -> str | None:
+    """Why ``cls.<name>`` (in the class's own namespace) cannot be patched, or None."""
+    method = cls.__dict__.get(name)
+    qualified = f"{cls.__name__}.{name}"
+    if method is None:
+        return f"{qualified} does not exist"
+    return shape_problem(method, qualified, name)

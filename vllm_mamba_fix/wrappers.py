@@ -1,0 +1,474 @@
+"""The wrappers around ``Scheduler`` methods; :mod:`vllm_mamba_fix.patch` installs them.
+
+- ``_mamba_block_aligned_split`` (the split rule): calls the original with the
+  caller's arguments, then corrects the result through
+  :func:`vllm_mamba_fix.decision.decide`, in units of the block the Mamba cache
+  really stores (:mod:`vllm_mamba_fix.blocks`).
+- ``_try_schedule_encoder_inputs`` (the speculative-stall rule and the stall
+  watchdog): only a result of 0 tokens is looked at.
+- ``__init__``: runs the per-scheduler check once the scheduler is built.
+- ``_free_request``: per-request state ends with the request.
+
+Each original stays reachable as ``__wrapped__``. A wrapper never raises anything
+of its own into vLLM: vLLM's own exceptions propagate, the plugin's never do.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_mamba_fix import counters
+from vllm_mamba_fix._log import logger
+from vllm_mamba_fix.blocks import block_unit_of
+from vllm_mamba_fix.decision import (
+    Action,
+    can_need_correction,
+    decide,
+    in_prefill_by_output_tokens,
+    in_prefill_by_position,
+    speculative_stall_release,
+    tokens_to_next_boundary,
+)
+from vllm_mamba_fix.scope import ScopePolicy
+from vllm_mamba_fix.stalls import (
+    REPEATED,
+    StallReport,
+    ZeroStreaks,
+    forget_request,
+    stall_cause,
+    watchdog_due,
+)
+from vllm_mamba_fix.targets import (
+    EXTRA_COMPUTED_PARAMETERS,
+    KNOWN_SPLIT_TRAILING_PARAMETERS,
+    MARKER,
+    SPLIT_LEADING_PARAMETERS,
+)
+from vllm_mamba_fix.versions import PrefillGate
+
+
+@dataclass(frozen=True)
+class WrapOptions:
+    """Options of the split wrapper."""
+
+    prefill_gate: PrefillGate
+    policy: ScopePolicy
+    # Tests switch this off to show what the re-align rule prevents.
+    realign: bool = True
+
+
+@dataclass(frozen=True)
+class EncoderOptions:
+    """Options of the encoder wrapper."""
+
+    policy: ScopePolicy
+    # End the EAGLE encoder-cache deadlock (0.24-0.32).
+    release_speculative_stalls: bool
+    # Seconds of 0 tokens before the watchdog names a stall; None: off.
+    stall_seconds: float | None
+
+
+# Methods with exactly the known trailing parameters get the fast wrapper, with no
+# *args/**kwargs forwarding (that alone costs about 0.6 us a call).
+_NOT_GIVEN: Any = object()
+
+
+def _extra_computed_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    extra = sum(args[: len(EXTRA_COMPUTED_PARAMETERS)])
+    for name in EXTRA_COMPUTED_PARAMETERS[len(args) :]:
+        extra += kwargs.get(name, 0)
+    return extra
+
+
+def _encoder_input_starts_at(request: Any, position: int) -> bool:
+    """Whether an encoder input's placeholder starts at ``position``.
+
+    vLLM cuts a chunk there, less the cut shift, when that input cannot be scheduled.
+    """
+    return any(feature.mm_position.offset == position for feature in request.mm_features)
+
+
+def encoder_cut_shift(scheduler: Any) -> int:
+    """The tokens vLLM leaves before an encoder input it cannot schedule, as it computes them.
+
+    0.28+ pass ``num_prefill_lookahead`` (num_spec_tokens for multi-module
+    MTP); 0.15-0.27 pass ``1 if use_eagle else 0``.
+    """
+    lookahead = getattr(scheduler, "num_prefill_lookahead", None)
+    if lookahead is not None:
+        return int(lookahead)
+    return 1 if getattr(scheduler, "use_eagle", False) else 0
+
+
+def has_known_parameters(method: Callable[..., int]) -> bool:
+    parameters = list(inspect.signature(method).parameters.values())[
+        len(SPLIT_LEADING_PARAMETERS) :
+    ]
+    names = tuple(p.name for p in parameters)
+    known = KNOWN_SPLIT_TRAILING_PARAMETERS
+    return names in (known[:2], known) and all(
+        p.kind is p.POSITIONAL_OR_KEYWORD and p.default == 0 for p in parameters
+    )
+
+
+Corrector = Callable[[Any, Any, int, int, int, int, tuple[Any, ...], dict[str, Any]], int]
+
+
+def _make_corrector(
+    original: Callable[..., int], options: WrapOptions, text_zeros: ZeroStreaks
+) -> Corrector:
+    """The rare path: decide, ask the scope hook, count and log.
+
+    ``text_zeros`` counts the 0s of text requests (scope all) at one position.
+    """
+    by_position = options.prefill_gate is PrefillGate.BEFORE_PREFILL_END
+
+    def correct(
+        self: Any,
+        request: Any,
+        num_new_tokens: int,
+        stock: int,
+        start: int,
+        block_size: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> int:
+        if options.policy.rules_out(request):
+            return stock
+        in_prefill = (
+            in_prefill_by_position(start, request.num_prompt_tokens, request.num_tokens)
+            if by_position
+            else in_prefill_by_output_tokens(request.num_output_tokens)
+        )
+        if not in_prefill:
+            return stock
+        uncut = None
+        end = start + num_new_tokens
+        if stock < num_new_tokens and _encoder_input_starts_at(
+            request, end + encoder_cut_shift(self)
+        ):
+            # Ask vLLM where it would stop if the encoder had not cut the chunk.
+            reach = num_new_tokens + tokens_to_next_boundary(end, block_size)
+            uncut = original(self, request, reach, *args, **kwargs)
+        decision = decide(stock, num_new_tokens, start, block_size, True, uncut)
+        if decision.action is Action.UNCHANGED or (
+            decision.action is Action.REALIGNED and not options.realign
+        ):
+            return stock
+        if not options.policy.in_scope(request):
+            return stock
+        if decision.action is Action.COLLAPSE_PREVENTED and not request.has_encoder_inputs:
+            # From 0.26 a 0 may be a one-step defer (the budget cannot fund a
+            # block); only one that repeats at the same position is a stall.
+            streak, _ = text_zeros.zero(request.request_id, start, 0.0)
+            if streak.steps < REPEATED:
+                return stock
+            text_zeros.clear(request.request_id)
+        counters.record(decision.action, request.request_id, start, decision.num_tokens, block_size)
+        return decision.num_tokens
+
+    return correct
+
+
+def _make_failure_reporter(what: str) -> Callable[[Exception, Any], Any]:
+    reported = False
+
+    def fall_back(exc: Exception, stock: Any) -> Any:
+        # Never break the host: vLLM's own answer stands.
+        nonlocal reported
+        if not reported:
+            reported = True
+            logger.warning(
+                "vllm-mamba-fix: %s failed (%s: %s); using vLLM's result",
+                what,
+                type(exc).__name__,
+                exc,
+            )
+        return stock
+
+    return fall_back
+
+
+def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable[..., int]:
+    """Wrap the split ``original``; vLLM's own exceptions propagate, the wrapper's never do."""
+    text_zeros = ZeroStreaks()
+    text_streaks = text_zeros.by_request
+    correct = _make_corrector(original, options, text_zeros)
+    fall_back = _make_failure_reporter("correction")
+
+    def fast(
+        self: Any,
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        num_uncached_common_prefix_tokens: int = _NOT_GIVEN,
+    ) -> int:
+        # Positional forwarding: star-unpacking here would cost more than the rest.
+        if num_uncached_common_prefix_tokens is _NOT_GIVEN:
+            stock = original(
+                self,
+                request,
+                num_new_tokens,
+                num_new_local_computed_tokens,
+                num_external_computed_tokens,
+            )
+        else:
+            stock = original(
+                self,
+                request,
+                num_new_tokens,
+                num_new_local_computed_tokens,
+                num_external_computed_tokens,
+                num_uncached_common_prefix_tokens,
+            )
+        try:
+            start = (
+                request.num_computed_tokens
+                + num_new_local_computed_tokens
+                + num_external_computed_tokens
+            )
+            if stock and text_streaks and request.request_id in text_streaks:
+                text_zeros.clear(request.request_id)  # it moved: a later 0 starts afresh
+            try:
+                block_size = self._vllm_mamba_fix_block_size  # blocks.BLOCK_ATTR
+            except AttributeError:  # built before the patch, or without our __init__
+                block_size = block_unit_of(self)
+            if not block_size:
+                return stock  # the cache's block could not be read: stand down
+            # can_need_correction(), inlined: this runs for every request on every step.
+            offset = start % block_size
+            if stock == num_new_tokens and (not offset or offset + stock <= block_size):
+                return stock
+            extra: tuple[int, ...] = (num_new_local_computed_tokens, num_external_computed_tokens)
+            if num_uncached_common_prefix_tokens is not _NOT_GIVEN:
+                extra += (num_uncached_common_prefix_tokens,)
+            return correct(self, request, num_new_tokens, stock, start, block_size, extra, {})
+        except Exception as exc:
+            return fall_back(exc, stock)
+
+    def generic(self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> int:
+        stock = original(self, request, num_new_tokens, *args, **kwargs)
+        try:
+            start = request.num_computed_tokens + _extra_computed_tokens(args, kwargs)
+            if stock and text_streaks and request.request_id in text_streaks:
+                text_zeros.clear(request.request_id)
+            block_size = block_unit_of(self)
+            if not block_size or not can_need_correction(stock, num_new_tokens, start, block_size):
+                return stock
+            return correct(self, request, num_new_tokens, stock, start, block_size, args, kwargs)
+        except Exception as exc:
+            return fall_back(exc, stock)
+
+    wrapper = fast if has_known_parameters(original) else generic
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, MARKER, options)
+    return wrapper
+
+
+def _num_embeds(request: Any, input_id: int) -> int:
+    getter = getattr(request, "get_num_encoder_embeds", None)
+    if getter is not None:
+        return int(getter(input_id))
+    return int(request.mm_features[input_id].mm_position.length)
+
+
+def _free_encoder_input(scheduler: Any, request: Any, input_id: int) -> None:
+    """Free through vLLM's own path, so the freed entry reaches the workers as usual."""
+    free = getattr(scheduler, "_free_encoder_input", None)  # 0.32+: also tells the EC connector
+    if free is not None:
+        free(request, input_id)
+    else:
+        scheduler.encoder_cache_manager.free_encoder_input(request, input_id)
+
+
+def _placeholder(request: Any, input_id: int) -> tuple[int, int]:
+    position = request.mm_features[input_id].mm_position
+    return position.offset, position.length
+
+
+def _stall_report(
+    scheduler: Any,
+    request: Any,
+    computed: int,
+    held: dict[int, tuple[int, int]],
+    speculative: bool,
+    steps: int,
+    seconds: float,
+) -> StallReport:
+    manager = scheduler.encoder_cache_manager
+    waited = next(
+        (
+            i
+            for i, feature in enumerate(request.mm_features)
+            if i not in held and feature.mm_position.offset + feature.mm_position.length > computed
+        ),
+        None,
+    )
+    waited_facts = None
+    if waited is not None:
+        position = request.mm_features[waited].mm_position
+        waited_facts = (position.offset, position.length, _num_embeds(request, waited))
+    budget = int(getattr(scheduler, "max_num_encoder_input_tokens", manager.cache_size))
+    return StallReport(
+        request_id=request.request_id,
+        position=computed,
+        prompt_tokens=request.num_prompt_tokens,
+        steps=steps,
+        seconds=seconds,
+        held=tuple(held[i] for i in sorted(held)),
+        waited=waited_facts,
+        cache_size=manager.cache_size,
+        cache_free=manager.num_free_slots,
+        compute_budget=budget,
+        cause=stall_cause(
+            speculative, waited_facts[2] if waited_facts else None, manager.cache_size, budget
+        ),
+    )
+
+
+EncoderResult = tuple[Any, ...]
+
+
+def make_encoder_wrapper(
+    original: Callable[..., EncoderResult], options: EncoderOptions
+) -> Callable[..., EncoderResult]:
+    """Wrap ``_try_schedule_encoder_inputs``; only a result of 0 tokens is looked at."""
+    zeros = ZeroStreaks()
+    streaks = zeros.by_request
+    fall_back = _make_failure_reporter("the encoder-input check")
+    clock = time.monotonic
+
+    def on_progress(request: Any) -> None:
+        streak = zeros.clear(request.request_id)
+        if streak is not None and streak.warned:
+            _log_moving_again(request.request_id, streak.position)
+
+    def on_zero(
+        self: Any,
+        request: Any,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        encoder_compute_budget: int,
+        shift_computed_tokens: int,
+        result: EncoderResult,
+    ) -> EncoderResult:
+        if not options.policy.in_scope(request):
+            return result
+        rid = request.request_id
+        now = clock()
+        streak, moved = zeros.zero(rid, num_computed_tokens, now)
+        if moved is not None and moved.warned:
+            _log_moving_again(rid, moved.position)
+        manager = self.encoder_cache_manager
+        held = {i: _placeholder(request, i) for i in sorted(manager.get_cached_input_ids(request))}
+        release = speculative_stall_release(num_computed_tokens, shift_computed_tokens, held)
+        # The second 0 at the same position: a one-step defer (async's lagging
+        # free) has cleared by then, a stall has not.
+        if options.release_speculative_stalls and release.stalled and streak.steps >= REPEATED:
+            for input_id in release.to_free:
+                _free_encoder_input(self, request, input_id)
+            retry = original(
+                self, request, num_computed_tokens, num_new_tokens, encoder_compute_budget, 0
+            )
+            if retry[1]:
+                zeros.clear(rid)
+                counters.record(
+                    Action.SPECULATIVE_STALL_RELEASED, rid, num_computed_tokens, retry[1],
+                    block_unit_of(self),
+                )  # fmt: skip
+                return retry
+        seconds = options.stall_seconds
+        if seconds is not None and watchdog_due(streak, now, seconds):
+            streak.warned = True
+            counters.record_stall()
+            report = _stall_report(
+                self, request, num_computed_tokens, held, release.stalled, streak.steps,
+                now - streak.since,
+            )  # fmt: skip
+            logger.warning("vllm-mamba-fix: %s", report.message())
+        return result
+
+    def wrapper(
+        self: Any,
+        request: Any,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        encoder_compute_budget: int,
+        shift_computed_tokens: int = 0,
+    ) -> EncoderResult:
+        result = original(
+            self,
+            request,
+            num_computed_tokens,
+            num_new_tokens,
+            encoder_compute_budget,
+            shift_computed_tokens,
+        )
+        try:
+            if result[1] or not num_new_tokens:
+                if streaks and request.request_id in streaks:
+                    on_progress(request)
+                return result
+            return on_zero(
+                self,
+                request,
+                num_computed_tokens,
+                num_new_tokens,
+                encoder_compute_budget,
+                shift_computed_tokens,
+                result,
+            )
+        except Exception as exc:
+            return fall_back(exc, result)
+
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, MARKER, options)
+    return wrapper
+
+
+def _log_moving_again(request_id: str, position: int) -> None:
+    counters.record_stall(resolved=True)
+    logger.info(
+        "vllm-mamba-fix: request %s moves again (was stalled at token %d)", request_id, position
+    )
+
+
+def make_init_wrapper(
+    original: Callable[..., None], on_built: Callable[[Any], None]
+) -> Callable[..., None]:
+    """Wrap ``Scheduler.__init__``: ``on_built(scheduler)`` runs once the base has built it."""
+    fall_back = _make_failure_reporter("the check of a new scheduler")
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        try:
+            on_built(self)
+        except Exception as exc:
+            fall_back(exc, None)
+
+    functools.update_wrapper(__init__, original)
+    setattr(__init__, MARKER, on_built)
+    return __init__
+
+
+def make_free_request_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``Scheduler._free_request``: a finished or aborted request leaves no streak behind."""
+    fall_back = _make_failure_reporter("forgetting a finished request")
+
+    def _free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, request, *args, **kwargs)
+        try:
+            forget_request(request.request_id)
+        except Exception as exc:
+            fall_back(exc, None)
+        return result
+
+    functools.update_wrapper(_free_request, original)
+    setattr(_free_request, MARKER, True)
+    return _free_request
