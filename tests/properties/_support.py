@@ -418,7 +418,8 @@ def compare_with_stock(scenario: PropScenario, patched: Trace, stock: Trace) -> 
 
 
 # --------------------------------------------------------------------------
-# Figures for the README: written to .cache/property-stats-<vLLM version>-<profile>.json
+# Figures for docs/reliability.md and docs/compatibility.md, written to
+# .cache/property-stats-<vLLM version>-<profile>.json
 
 
 class Figures:
