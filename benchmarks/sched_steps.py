@@ -26,7 +26,10 @@ import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tools.sched_harness import Mode
 
 ARMS: dict[str, dict[str, str]] = {
     # arm -> release it runs on, and what it is
@@ -40,33 +43,21 @@ ISSUE_IMAGE_TOKENS = 11_844
 MIN_SWEEP_GAP = 2
 
 
-@dataclass(frozen=True)
-class BenchMode:
-    """How the engine drives the scheduler (``HarnessConfig`` fields of the same names)."""
+def __getattr__(name: str) -> Any:
+    """``MODES`` and ``MODE_NAMES``: the harness's modes (``tools.sched_harness.MODES``).
 
-    name: str
-    speculative_tokens: int = 0
-    async_scheduling: bool = False
+    Imported on first use, as everything of the harness here: importing it exports its shim
+    directory through PYTHONPATH, which would reach the start-up benchmark's workers.
+    """
+    if name == "MODES":
+        from tools.sched_harness import MODES
 
-    @property
-    def speculative(self) -> bool:
-        return self.speculative_tokens > 0
+        return MODES
+    if name == "MODE_NAMES":
+        from tools.sched_harness import MODES
 
-    def apply(self, cfg: Any) -> Any:
-        if not (self.speculative_tokens or self.async_scheduling):
-            return cfg
-        return dataclasses.replace(
-            cfg, speculative_tokens=self.speculative_tokens, async_scheduling=self.async_scheduling
-        )
-
-
-MODES: tuple[BenchMode, ...] = (
-    BenchMode("sync"),
-    BenchMode("async", async_scheduling=True),
-    BenchMode("sync+mtp2", speculative_tokens=2),
-    BenchMode("async+mtp2", speculative_tokens=2, async_scheduling=True),
-)
-MODE_NAMES = tuple(m.name for m in MODES)
+        return tuple(mode.name for mode in MODES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -196,7 +187,7 @@ def _spec(layout: Layout, request_id: str, seed: int) -> Any:
     return dataclasses.replace(spec, seed=seed)
 
 
-def _harness(arm: str, mode: BenchMode) -> Any:
+def _harness(arm: str, mode: Mode) -> Any:
     from tools.scenarios import ISSUE_CONFIG
     from tools.sched_harness import Harness
 
@@ -221,7 +212,7 @@ def _spans(result: Any, request_id: str) -> list[list[int]]:
     return [[s, min(e, prompt)] for _, s, e in result.chunks.get(request_id, []) if s < prompt]
 
 
-def measure_steps(arm: str, layout: Layout, mode: BenchMode) -> dict[str, Any]:
+def measure_steps(arm: str, layout: Layout, mode: Mode) -> dict[str, Any]:
     from tools.scenarios import text_request
 
     harness = _harness(arm, mode)
@@ -240,7 +231,7 @@ def measure_steps(arm: str, layout: Layout, mode: BenchMode) -> dict[str, Any]:
     }
 
 
-def measure_prefix(arm: str, layout: Layout, mode: BenchMode) -> dict[str, Any]:
+def measure_prefix(arm: str, layout: Layout, mode: Mode) -> dict[str, Any]:
     """The same two-image request twice, one after the other; cached tokens of the second."""
     harness = _harness(arm, mode)
     with _content_keyed_images("same-content"):
@@ -266,7 +257,7 @@ def measure_prefix(arm: str, layout: Layout, mode: BenchMode) -> dict[str, Any]:
     return out
 
 
-def run_mode(arm: str, mode: BenchMode, profile: str) -> dict[str, Any]:
+def run_mode(arm: str, mode: Mode, profile: str) -> dict[str, Any]:
     """Every layout in ``mode``, or why this release cannot build the mode."""
     from tools import sched_harness
 
@@ -313,11 +304,11 @@ def run_arm_here(arm: str, profile: str) -> dict[str, Any]:
     return {
         "arm": arm,
         "vllm": version,
-        "modes": {mode.name: run_mode(arm, mode, profile) for mode in MODES},
+        "modes": {mode.name: run_mode(arm, mode, profile) for mode in sched_harness.MODES},
     }
 
 
 __all__ = [
-    "ARMS", "ISSUE_LAYOUT", "MODES", "BenchMode", "Layout", "prefix_layouts", "run_arm_here",
+    "ARMS", "ISSUE_LAYOUT", "Layout", "prefix_layouts", "run_arm_here",
     "stall_layouts", "sweep",
 ]  # fmt: skip

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tools.procs import kill_group
 from tools.tiny_model import build, demo_images, shim_env, two_image_prompt
 
 REPO = Path(__file__).resolve().parent.parent
@@ -235,7 +235,7 @@ def run(
                 break
             time.sleep(0.5)
     finally:
-        _kill_group(proc)
+        kill_group(proc)  # the group includes vLLM's engine core
     log_text = log.read_text(errors="replace")
     results = [
         json.loads(line[len(RESULT_TAG) :])
@@ -264,20 +264,6 @@ def plugin_lines(log_text: str) -> list[str]:
             proc = match["proc"] or "front end"
             lines.append(f"{proc}: {match['msg']}")
     return lines
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the worker's process group (it includes vLLM's engine core)."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-    # The engine core may outlive a worker that exited; the group id is the worker's pid.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
 
 
 # --------------------------------------------------------------------------- worker

