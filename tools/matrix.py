@@ -101,8 +101,10 @@ def probe() -> dict[str, Any]:
         default_active = harness.split_is_wrapped()
         default_methods = _wrapped_methods()
         speculative = _speculative_stall_probe(stock_only=False) if default_methods else None
+        videos = _video_probe() if default_methods else None
         harness.unload_plugin()
         stock_speculative = _speculative_stall_probe(stock_only=True)
+        stock_videos = _video_probe()
         harness.load_plugins()
         if not default_active:
             os.environ["VLLM_MAMBA_FIX"] = "force"
@@ -136,6 +138,7 @@ def probe() -> dict[str, Any]:
         "default_active": default_active,
         "default_methods": default_methods,
         "speculative_stall": {"stock": stock_speculative, "plugin": speculative},
+        "videos": {"stock": stock_videos, "plugin": videos, "layout": _video_layout_source()},
         "stock": per_mode[first]["stock"] if first else {},
         "patched": per_mode[first]["patched"] if first else {},
         "modes": per_mode,
@@ -188,6 +191,40 @@ def _speculative_cell(data: dict[str, Any]) -> str:
     done = [g for g, r in plugin["gaps"].items() if r["completed"]]
     cell += f"; plugin completes {len(done)}/{len(plugin['gaps'])}"
     return cell + ", names the rest in the log" if len(done) < len(plugin["gaps"]) else cell
+
+
+def _video_scenarios() -> list[Any]:
+    from tools import scenarios as sc
+
+    return [sc.TWO_VIDEOS_GAP_0, sc.TWO_VIDEOS_GAP_2]
+
+
+def _video_layout_source() -> str:
+    from tools import sched_harness as harness
+
+    return harness.video_layout_source()
+
+
+def _video_probe() -> dict[str, Any]:
+    """Issue 15: two Qwen3-VL videos in one request (tools.scenarios, back to back and 2
+    apart), sync mode, with whatever is loaded now."""
+    return {s.name: _summary(s.run()) for s in _video_scenarios()}
+
+
+def _video_cell(data: dict[str, Any]) -> str:
+    probe = data.get("videos") or {}
+    stock, plugin = probe.get("stock"), probe.get("plugin")
+    if stock is None:
+        return "?"
+    stalls = sum(not r["completed"] for r in stock.values())
+    cell = f"gaps 0, 2: stock stalls {stalls}/{len(stock)}"
+    if plugin is None:
+        return cell + "; plugin inactive (not needed)"
+    done = sum(r["completed"] for r in plugin.values())
+    bad = sum(r["violations"] for r in plugin.values())
+    return (
+        cell + f"; plugin completes {done}/{len(plugin)}" + (f", {bad} violations" if bad else "")
+    )
 
 
 def _summary(result: Any) -> dict[str, Any]:
@@ -277,6 +314,7 @@ def _describe(row: Row, data: dict[str, Any]) -> None:
         for name, mode in data.get("modes", {}).items()
     }
     row.modes["speculative stall (sync+mtp2, issue 11)"] = _speculative_cell(data)
+    row.modes["two videos (sync, issue 15)"] = _video_cell(data)
     acts = data["actions"]
     summary = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in acts.items() if v) or "no change"
     if data["default_active"]:

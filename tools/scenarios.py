@@ -22,11 +22,16 @@ from tools.sched_harness import (
     RequestSpec,
     RunResult,
     run_requests,
+    video_layout,
     vllm_version,
 )
 from vllm_mamba_fix.versions import family_for
 
 IMAGE_TOKENS = 11_844
+# A Qwen3-VL video of about one image's size: 8 temporal patches of 1,480 pads (11,840
+# encoder-cache slots), each after its timestamp text and inside its vision markers.
+VIDEO_FRAMES = 8
+VIDEO_TOKENS_PER_FRAME = 1_480
 
 
 @dataclass(frozen=True)
@@ -88,11 +93,37 @@ def text_request(request_id: str, tokens: int, *, max_tokens: int = 1) -> Reques
     return RequestSpec(request_id, tokens, (), max_tokens=max_tokens)
 
 
+def video_request(
+    request_id: str,
+    texts: tuple[int, ...],
+    frames: int = VIDEO_FRAMES,
+    tokens_per_frame: int = VIDEO_TOKENS_PER_FRAME,
+    *,
+    is_embed: bool = True,
+    max_tokens: int = 1,
+) -> RequestSpec:
+    """Text runs `texts[0]`, video, `texts[1]`, video, ..., `texts[-1]`, each video in
+    Qwen3-VL's own layout (tools.sched_harness.video_tokens)."""
+    prompt_len, videos = video_layout(texts[0], texts[1:], frames, tokens_per_frame,
+                                      is_embed=is_embed)  # fmt: skip
+    return RequestSpec(request_id, prompt_len, videos=videos, max_tokens=max_tokens)
+
+
+def image_then_video_request(
+    request_id: str, texts: tuple[int, int, int], image_tokens: int = IMAGE_TOKENS
+) -> RequestSpec:
+    """Text, an image, text, a video (Qwen3-VL layout), text."""
+    start = texts[0] + image_tokens + texts[1]
+    prompt_len, videos = video_layout(start, texts[2:], VIDEO_FRAMES, VIDEO_TOKENS_PER_FRAME)
+    return RequestSpec(request_id, prompt_len, ((texts[0], image_tokens),), videos=videos)
+
+
 def min_image_gap(specs: tuple[RequestSpec, ...] | list[RequestSpec]) -> int | None:
+    """Fewest text tokens between two consecutive placeholders (images or videos)."""
     gaps = [
         b[0] - (a[0] + a[1])
         for spec in specs
-        for a, b in zip(spec.images, spec.images[1:], strict=False)
+        for a, b in zip(spec.mm_spans, spec.mm_spans[1:], strict=False)
     ]
     return min(gaps, default=None)
 
@@ -231,4 +262,52 @@ ALL: tuple[Scenario, ...] = (
     TWO_IMAGES, SMALL_TWO_IMAGES, QUEUE, TEXT_ONLY, MIXED, ISSUE_10, ADJACENT_IMAGES,
 )  # fmt: skip
 STALLING: tuple[Scenario, ...] = tuple(s for s in ALL if "stall" in s.tags)
-BY_NAME: dict[str, Scenario] = {s.name: s for s in ALL}
+
+# Issue 15: two Qwen3-VL videos (8 x 1,480 pads, ~11,960 tokens each with timestamps and
+# markers) in one request, with the issue-2 budget and a cache that holds one video's
+# 11,840 embeddings. Back to back (gap 0) is what old-style processors produce (they replace
+# the whole <|vision_start|><|video_pad|><|vision_end|>); transformers >= 5.10 keeps the
+# outer markers outside the range, which puts two videos 2 apart. `is_embed` marks the pads
+# (vLLM's select_token_id), or nothing (EVS-style: every position a candidate).
+TWO_VIDEOS_GAP_2 = Scenario(
+    name="two-videos-gap-2",
+    description="two Qwen3-VL videos 2 apart (transformers >= 5.10), is_embed on the pads",
+    config=ISSUE_CONFIG,
+    requests=(video_request("videos-gap-2", (100, 2, 200)),),
+    tags=frozenset({"stall", "video"}),
+)
+TWO_VIDEOS_GAP_0 = Scenario(
+    name="two-videos-gap-0",
+    description="two Qwen3-VL videos back to back (old-style processors), is_embed on the pads",
+    config=ISSUE_CONFIG,
+    requests=(video_request("videos-gap-0", (100, 0, 200)),),
+    tags=frozenset({"stall", "video", "gap<2"}),
+)
+TWO_VIDEOS_NO_MASK = Scenario(
+    name="two-videos-no-mask",
+    description="two Qwen3-VL videos 2 apart, is_embed off (every position a candidate)",
+    config=ISSUE_CONFIG,
+    requests=(video_request("videos-no-mask", (100, 2, 200), is_embed=False),),
+    tags=frozenset({"stall", "video"}),
+)
+IMAGE_AND_VIDEO = Scenario(
+    name="image-and-video",
+    description="an 11,844-token image, then a Qwen3-VL video 2 apart, budget 8192",
+    config=ISSUE_CONFIG,
+    requests=(image_then_video_request("image-video", (100, 2, 200)),),
+    tags=frozenset({"stall", "image", "video"}),
+)
+VIDEO_QUEUE = Scenario(
+    name="video-queue",
+    description="two-video request running; a video request and a text request waiting",
+    config=ISSUE_CONFIG,
+    requests=(video_request("running-videos", (100, 2, 200)),),
+    staged=(
+        (video_request("waiting-videos", (40, 2, 60)), text_request("video-queue-text", 3000)),
+    ),
+    tags=frozenset({"stall", "video", "queue"}),
+)
+VIDEOS: tuple[Scenario, ...] = (
+    TWO_VIDEOS_GAP_2, TWO_VIDEOS_GAP_0, TWO_VIDEOS_NO_MASK, IMAGE_AND_VIDEO, VIDEO_QUEUE,
+)  # fmt: skip
+BY_NAME: dict[str, Scenario] = {s.name: s for s in (*ALL, *VIDEOS)}

@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 import sys
@@ -189,6 +191,9 @@ class HarnessConfig:
     speculative_tokens: int = 0
     # The real AsyncScheduler, driven like EngineCore's batch queue.
     async_scheduling: bool = False
+    # None: the class vLLM picks; else a Scheduler subclass (or its qualified name), set as
+    # `scheduler_config.scheduler_cls` the way platform plugins choose theirs.
+    scheduler_cls: type | str | None = None
 
     @property
     def mode_name(self) -> str:
@@ -380,6 +385,7 @@ def _engine_config(cfg: HarnessConfig, architecture: str, block_size: int | None
         max_num_seqs=cfg.max_num_seqs,
         max_model_len=cfg.max_model_len,
         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+        # The scheduler never reads the limits (videos run too); the front end does.
         limit_mm_per_prompt={"image": 4, "video": 0},
         block_size=block_size,
         **extra,
@@ -642,6 +648,8 @@ def build_scheduler(cfg: HarnessConfig) -> Built:
     with _plugins_left_alone():
         vllm_config = _engine_config(cfg, architecture, None)
     scheduler_config = vllm_config.scheduler_config
+    if cfg.scheduler_cls is not None:
+        scheduler_config.scheduler_cls = cfg.scheduler_cls
     if cfg.async_scheduling:
         # vLLM validated async scheduling with this config (an explicit True
         # fails hard on incompatibilities, e.g. a non-EAGLE drafter), then the
@@ -743,6 +751,152 @@ def mode_unsupported_reason(mode: Mode) -> str | None:
 # Requests
 
 
+# --------------------------------------------------------------------------
+# Videos: Qwen3-VL's own placeholder layout
+
+# Qwen3.5's special token ids (the harness config above; the tiny model has its own).
+QWEN35_VIDEO_TOKEN_ID = 248057
+QWEN35_VISION_START_ID = 248053
+QWEN35_VISION_END_ID = 248054
+# Qwen3-VL's video processor: 2 sampled frames per temporal patch (one timestamp each).
+QWEN3VL_TEMPORAL_PATCH = 2
+
+
+class ByteTokenizer:
+    """Stand-in for the tokenizer vLLM passes to the video replacement: one token per byte,
+    the tiny model's tokenizer (tools/tiny_model.py), so timestamps take as many tokens here
+    as on the CPU engine (`<1.0 seconds>`: 13)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+@dataclass(frozen=True)
+class VideoSpec:
+    """One video placeholder range, laid out by Qwen3-VL's replacement code (`video_tokens`).
+
+    ``frames``: temporal patches (the video grid's t, one timestamp each);
+    ``tokens_per_frame``: video pads per temporal patch; ``is_embed``: mark only the pads
+    (vLLM's `select_token_id`, the default without video pruning), or the whole range (None,
+    as with EVS/VidCom2 pruning).
+    """
+
+    offset: int
+    frames: int
+    tokens_per_frame: int
+    fps: float = 2.0
+    is_embed: bool = True
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return video_tokens(self.frames, self.tokens_per_frame, self.fps, self.is_embed)[0]
+
+    @property
+    def embed_mask(self) -> tuple[bool, ...] | None:
+        return video_tokens(self.frames, self.tokens_per_frame, self.fps, self.is_embed)[1]
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_embeds(self) -> int:
+        """Encoder-cache slots the video takes (vLLM's `PlaceholderRange.get_num_embeds`)."""
+        return self.frames * self.tokens_per_frame
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.offset, self.length
+
+
+def qwen3vl_timestamps(frames: int, fps: float) -> list[float]:
+    """Per-temporal-patch timestamps of `frames * 2` sampled frames at `fps`, by vLLM's
+    `Qwen3VLProcessingInfo._calculate_timestamps` (it reads no instance state) where the
+    release has it; else its formula: the mean time of each patch's two frames."""
+    indices = list(range(frames * QWEN3VL_TEMPORAL_PATCH))
+    calculate = getattr(_qwen3_vl_module(), "Qwen3VLProcessingInfo", None)
+    calculate = getattr(calculate, "_calculate_timestamps", None)
+    if calculate is not None:
+        return list(calculate(None, indices, fps, QWEN3VL_TEMPORAL_PATCH))
+    times = [i / fps for i in indices]
+    return [(times[i] + times[i + 1]) / 2 for i in range(0, len(times), 2)]
+
+
+@functools.lru_cache(maxsize=1)
+def _qwen3_vl_module() -> Any:
+    """vLLM's qwen3_vl model file, or None where this release cannot import it here."""
+    try:
+        return importlib.import_module("vllm.model_executor.models.qwen3_vl")
+    except Exception:  # an old release's model file may need what the overlay lacks
+        return None
+
+
+def _upstream_get_video_repl() -> Callable[..., Any] | None:
+    processor = getattr(_qwen3_vl_module(), "Qwen3VLMultiModalProcessor", None)
+    return getattr(processor, "get_video_repl", None)
+
+
+def video_layout_source() -> str:
+    """Which code lays out the harness's videos on this release."""
+    if _upstream_get_video_repl() is not None:
+        return "vLLM's Qwen3VLMultiModalProcessor.get_video_repl"
+    return "the harness's copy of 0.27.1's get_video_repl (not in this release)"
+
+
+@functools.lru_cache(maxsize=256)
+def video_tokens(
+    frames: int, tokens_per_frame: int, fps: float = 2.0, select_pads: bool = True
+) -> tuple[tuple[int, ...], tuple[bool, ...] | None]:
+    """One video's placeholder tokens and `is_embed` mask, from vLLM's own Qwen3-VL code.
+
+    Per temporal patch: timestamp text (`<1.0 seconds>`), `<|vision_start|>`, pads,
+    `<|vision_end|>`. Built by `Qwen3VLMultiModalProcessor.get_video_repl` (a static method:
+    it needs only a tokenizer, no HF processor) where the release has it; otherwise the same
+    way as that function (vLLM 0.27.1's `qwen3_vl.py`). The mask is what
+    `PromptUpdateDetails.select_token_id(...).is_embed` returns (None: every position).
+    """
+    timestamps = qwen3vl_timestamps(frames, fps)
+    per_frame = [tokens_per_frame] * frames
+    tokenizer = ByteTokenizer()
+    ids = (QWEN35_VISION_START_ID, QWEN35_VISION_END_ID, QWEN35_VIDEO_TOKEN_ID)
+    get_video_repl = _upstream_get_video_repl()
+    if get_video_repl is not None:
+        details = get_video_repl(
+            tokens_per_frame=per_frame,
+            timestamps=timestamps,
+            tokenizer=tokenizer,
+            vision_start_token_id=ids[0],
+            vision_end_token_id=ids[1],
+            video_token_id=ids[2],
+            select_token_id=select_pads,
+        )
+        full = [int(t) for t in details.full]
+        mask = None if details.is_embed is None else details.is_embed(None, full).tolist()
+        return tuple(full), None if mask is None else tuple(bool(m) for m in mask)
+    # Mirrors Qwen3VLMultiModalProcessor.get_video_repl (vLLM 0.27.1).
+    full = []
+    for timestamp, pads in zip(timestamps, per_frame, strict=True):
+        full += tokenizer.encode(f"<{timestamp:.1f} seconds>", add_special_tokens=False)
+        full += [ids[0], *[ids[2]] * pads, ids[1]]
+    mask = tuple(t == ids[2] for t in full) if select_pads else None
+    return tuple(full), mask
+
+
+def video_layout(
+    first: int, texts: Sequence[int], frames: int, tokens_per_frame: int, *, is_embed: bool = True
+) -> tuple[int, tuple[VideoSpec, ...]]:
+    """`first` text tokens, then a video before each run of `texts` tokens; returns
+    (prompt length, videos). Gaps between Qwen3-VL videos: 0 with old-style processors
+    (they replace the whole `<|vision_start|><|video_pad|><|vision_end|>`), 2 with
+    transformers >= 5.10 (only `<|video_pad|>`; the outer markers stay outside)."""
+    pos, videos = first, []
+    for text in texts:
+        video = VideoSpec(pos, frames, tokens_per_frame, is_embed=is_embed)
+        videos.append(video)
+        pos += video.length + text
+    return pos, tuple(videos)
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     request_id: str
@@ -752,15 +906,29 @@ class RequestSpec:
     max_tokens: int = 1
     # Distinct seeds give distinct prompts (no accidental prefix sharing).
     seed: int | None = None
+    # Video placeholder ranges (Qwen3-VL layout), beside or instead of images.
+    videos: tuple[VideoSpec, ...] = ()
+
+    @property
+    def mm_spans(self) -> tuple[tuple[int, int], ...]:
+        """(offset, length) of every image and video placeholder, in prompt order."""
+        return tuple(sorted([*self.images, *(v.span for v in self.videos)]))
+
+    @property
+    def has_mm(self) -> bool:
+        return bool(self.images or self.videos)
 
 
 def _prompt(spec: RequestSpec) -> list[int]:
     seed = spec.seed if spec.seed is not None else sum(map(ord, spec.request_id)) * 131
-    return [1000 + (seed * 7919 + i * 104729) % 150000 for i in range(spec.prompt_len)]
+    tokens = [1000 + (seed * 7919 + i * 104729) % 150000 for i in range(spec.prompt_len)]
+    for video in spec.videos:  # the video's own tokens: timestamps, markers, pads
+        tokens[video.offset : video.offset + video.length] = video.tokens
+    return tokens
 
 
 def _mm_features(spec: RequestSpec) -> list[Any] | None:
-    if not spec.images:
+    if not spec.has_mm:
         return None
     from vllm.multimodal.inputs import (
         MultiModalFeatureSpec,
@@ -769,19 +937,33 @@ def _mm_features(spec: RequestSpec) -> list[Any] | None:
     )
 
     dummy = MultiModalKwargsItem.dummy
-    data = dummy("image") if "modality" in inspect.signature(dummy).parameters else dummy()
-    features = []
+    takes_modality = "modality" in inspect.signature(dummy).parameters
+    items: list[tuple[int, str, int, Any]] = []
     for j, (offset, length) in enumerate(spec.images):
-        identifier = f"{spec.request_id}-image{j}"
+        items.append((offset, "image", j, PlaceholderRange(offset=offset, length=length)))
+    for j, video in enumerate(spec.videos):
+        mask = video.embed_mask
+        position = PlaceholderRange(offset=video.offset, length=video.length)
+        if mask is not None:
+            import torch
+
+            position = PlaceholderRange(
+                offset=video.offset, length=video.length, is_embed=torch.tensor(mask)
+            )
+        items.append((video.offset, "video", j, position))
+    features = []
+    # vLLM keeps a request's features in prompt order (get_mm_features_in_window relies on it).
+    for _, modality, j, position in sorted(items, key=lambda item: item[0]):
+        identifier = f"{spec.request_id}-{modality}{j}"
         features.append(
             MultiModalFeatureSpec(
                 **_dataclass_kwargs(
                     MultiModalFeatureSpec,
                     {
-                        "data": data,
-                        "modality": "image",
+                        "data": dummy(modality) if takes_modality else dummy(),
+                        "modality": modality,
                         "identifier": identifier,
-                        "mm_position": PlaceholderRange(offset=offset, length=length),
+                        "mm_position": position,
                         "mm_hash": identifier,
                     },
                 )
@@ -794,8 +976,11 @@ def make_request(built: Built, spec: RequestSpec) -> Any:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    for offset, length in spec.images:
+    spans = spec.mm_spans
+    for offset, length in spans:
         assert offset >= 0 and offset + length <= spec.prompt_len, (spec, offset, length)
+    for (a, n), (b, _) in itertools.pairwise(spans):
+        assert a + n <= b, f"overlapping placeholders in {spec.request_id}: {spans}"
     return _call_with_supported(
         Request,
         request_id=spec.request_id,

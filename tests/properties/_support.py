@@ -26,7 +26,7 @@ from tools.scenarios import (
     deferred_free_hang_gap,
     plugin_ends_deferred_free_hang,
 )
-from tools.sched_harness import SYNC, Mode
+from tools.sched_harness import SYNC, Mode, VideoSpec, video_tokens
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,6 +96,23 @@ def min_image_gap_for(mode: Mode, version: str) -> int:
 
 
 @st.composite
+def video_shapes(draw: st.DrawFn, budget: int) -> tuple[int, int, bool]:
+    """(temporal patches, pads per patch, is_embed on the pads) of one Qwen3-VL video,
+    about as large as the generated images (16 .. 2 * max(budget, 256) tokens)."""
+    frames = draw(st.integers(1, 4))
+    per_frame = draw(st.integers(4, max(8, 2 * max(budget, 256) // frames)))
+    return frames, per_frame, draw(st.booleans())
+
+
+def encoder_cost(video: VideoSpec) -> int:
+    """Encoder-cache slots a video takes: its pads with `is_embed`, else its whole range."""
+    return video.num_embeds if video.is_embed else video.length
+
+
+Body = tuple[int, tuple[tuple[int, int], ...], tuple[VideoSpec, ...]]
+
+
+@st.composite
 def request_bodies(
     draw: st.DrawFn,
     block: int,
@@ -103,16 +120,27 @@ def request_bodies(
     with_images: bool,
     long: bool = False,
     min_image_gap: int = 0,
-) -> tuple[int, tuple[tuple[int, int], ...]]:
+    videos: bool = False,
+) -> Body:
     """A prompt: text runs before, between and after 0-4 images of varied sizes.
 
-    Between two images the run is at least `min_image_gap` tokens, and gaps
-    0, 1 and 2 (those at or above the minimum) are drawn explicitly.
+    With ``videos`` each placeholder is an image or a Qwen3-VL video (timestamp text,
+    markers and pads per temporal patch; `is_embed` on the pads or off), so a prompt
+    may hold images, videos or both. Between two placeholders the run is at least
+    `min_image_gap` tokens, and gaps 0, 1 and 2 (those at or above the minimum) are
+    drawn explicitly. Returns (prompt length, images, videos).
     """
     n_images = draw(st.integers(0, 4)) if with_images else 0
     # A long prompt runs several chunks, leaving block-aligned states to hit.
     first = draw(st.integers(block, 2 * block + 2 * budget)) if long else 0
-    sizes = [draw(st.integers(16, 2 * max(budget, 256))) for _ in range(n_images)]
+    is_video = [videos and draw(st.booleans()) for _ in range(n_images)]
+    shapes = [draw(video_shapes(budget)) if v else None for v in is_video]
+    sizes = [
+        len(video_tokens(shape[0], shape[1])[0])
+        if shape
+        else draw(st.integers(16, 2 * max(budget, 256)))
+        for shape in shapes
+    ]
     # Text runs around the blocks: short, about a block, or several blocks.
     text = st.one_of(
         st.integers(0, 64), st.integers(0, block + 32), st.integers(0, 3 * max(block, budget))
@@ -125,11 +153,15 @@ def request_bodies(
         st.integers(lo, 3 * max(block, budget)),
     )  # fmt: skip
     runs = [draw(text if i in (0, n_images) else between) for i in range(n_images + 1)]
-    pos, images = first + runs[0], []
-    for size, run in zip(sizes, runs[1:], strict=True):
-        images.append((pos, size))
+    pos, images, video_specs = first + runs[0], [], []
+    for size, shape, run in zip(sizes, shapes, runs[1:], strict=True):
+        if shape:
+            frames, per_frame, is_embed = shape
+            video_specs.append(VideoSpec(pos, frames, per_frame, is_embed=is_embed))
+        else:
+            images.append((pos, size))
         pos += size + run
-    return max(pos, 1), tuple(images)
+    return max(pos, 1), tuple(images), tuple(video_specs)
 
 
 @st.composite
@@ -139,11 +171,13 @@ def scenarios(
     text_only: bool = False,
     repeat: bool | None = None,
     min_image_gap: int = 0,
+    videos: bool = False,
 ) -> PropScenario:
     """Block 16..2096, budget, encoder cache from one image to all, threshold, requests.
 
     ``repeat``: True forces a repeated request, None lets hypothesis choose.
     ``min_image_gap``: fewest text tokens between two images of a request.
+    ``videos``: placeholders may be Qwen3-VL videos too (request_bodies).
     """
     block = draw(st.integers(1, 131)) * 16
     # Chunk-length families (0.15-0.25) floor every text chunk shorter than a
@@ -167,11 +201,14 @@ def scenarios(
     for i in range(n):
         with_images = not text_only and draw(st.booleans())
         long = bool(repeat) and i == 0
-        prompt_len, images = draw(request_bodies(block, budget, with_images, long, min_image_gap))
+        prompt_len, images, video_specs = draw(
+            request_bodies(block, budget, with_images, long, min_image_gap, videos)
+        )
         requests.append(
             PropRequest(
                 f"r{i}", prompt_len, images, content=f"c{i}",
                 arrival=draw(st.integers(0, 6)), max_tokens=draw(st.integers(1, 3)),
+                videos=video_specs,
             )
         )  # fmt: skip
     want_repeat = draw(st.booleans()) if repeat is None else repeat
@@ -184,10 +221,15 @@ def scenarios(
                 original.images, content=original.content,
                 arrival=original.arrival + draw(st.integers(0, 4)),
                 after=original.request_id if after_finish else None,
-                max_tokens=draw(st.integers(1, 3)),
+                max_tokens=draw(st.integers(1, 3)), videos=original.videos,
             )
         )  # fmt: skip
-    image_sizes = sorted((length for r in requests for _, length in r.images), reverse=True)
+    # What each input takes in the encoder cache (a video with is_embed: its pads).
+    image_sizes = sorted(
+        [length for r in requests for _, length in r.images]
+        + [encoder_cost(v) for r in requests for v in r.videos],
+        reverse=True,
+    )
     if image_sizes:
         # From one (the largest) image to all of a request's images, or all images.
         # Tight caches (one image) are where stock deadlocks.
@@ -242,7 +284,8 @@ def step_bound(scenario: PropScenario, mode: Mode = SYNC) -> int:
     lag = 1 if mode.async_scheduling else 0
     per_image = 6 if mode.speculative else 1
     per_request = sum(
-        math.ceil(r.prompt_len / b) + per_image * len(r.images) + 1 + math.ceil(r.prompt_len / cap)
+        math.ceil(r.prompt_len / b) + per_image * len(r.mm_spans) + 1
+        + math.ceil(r.prompt_len / cap)
         + r.max_tokens - 1 + lag + (lag if r.after else 0)
         for r in scenario.requests
     )  # fmt: skip
@@ -400,7 +443,7 @@ def compare_with_stock(scenario: PropScenario, patched: Trace, stock: Trace) -> 
       which the per-correction scope check covers.
     Returns (kind of comparison, number of chunks compared).
     """
-    images = {r.request_id for r in scenario.requests if r.images}
+    images = {r.request_id for r in scenario.requests if r.has_mm}
     corrected = {rid for _, rid, _ in patched.corrections}
     assert corrected <= images, f"corrected out-of-scope requests: {corrected - images}"
     horizon = patched.first_correction_step
@@ -491,8 +534,10 @@ def check_scenario(scenario: PropScenario, sched_mode: Mode = SYNC) -> None:
         scenarios=1,
         **{f"plugin_mode_{mode}": 1},
         requests=len(scenario.requests),
-        image_requests=sum(bool(r.images) for r in scenario.requests),
+        image_requests=sum(r.has_mm for r in scenario.requests),
         images=sum(len(r.images) for r in scenario.requests),
+        videos=sum(len(r.videos) for r in scenario.requests),
+        image_and_video_requests=sum(bool(r.images and r.videos) for r in scenario.requests),
         steps_patched=patched.result.steps,
         stock_stalled=int(not stock.result.completed),
         invariant_checks=5,

@@ -11,6 +11,8 @@ Each scenario runs twice: on stock vLLM and with the plugin loaded through
 vLLM's load_general_plugins() (VLLM_MAMBA_FIX=force where the release leaves
 it off). With the plugin, invariants 1-5 hold (see the checks in _support).
 
+Issue 15: `test_video_and_mixed_scenarios` draws Qwen3-VL videos beside and instead of images.
+
 Issue 10: every test runs in each harness mode (`sched_mode`: sync, async,
 sync+mtp2, async+mtp2). Under MTP, images fewer than 2 tokens apart are not
 generated on 0.19-0.32: they meet a separate vLLM hang (the deferred
@@ -47,3 +49,11 @@ def test_text_only_scenarios_are_stock(sched_mode: Mode, data: st.DataObject) ->
 @given(data=st.data())
 def test_repeated_requests_hit_the_prefix_cache(sched_mode: Mode, data: st.DataObject) -> None:
     check_scenario(_draw(data, sched_mode, repeat=True), sched_mode)
+
+
+@profile(ci_examples=15)
+@given(data=st.data())
+def test_video_and_mixed_scenarios(sched_mode: Mode, data: st.DataObject) -> None:
+    """Issue 15: placeholders are images or Qwen3-VL videos (timestamps, markers and pads
+    per temporal patch, `is_embed` on the pads or off), alone or mixed in one prompt."""
+    check_scenario(_draw(data, sched_mode, videos=True), sched_mode)
