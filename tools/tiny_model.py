@@ -392,10 +392,23 @@ def demo_images(seed: int = 0, n: int = 3) -> list:  # -> list[PIL.Image.Image]
     return out
 
 
+def image_prompt(num_images: int, text: str | None = None) -> str:
+    """Raw prompt: ``num_images`` placeholders back to back, then ``text``.
+
+    Image ``k`` (from 0) sits at ``[1 + 258k, 257 + 258k)``: each placeholder is
+    ``<|vision_start|>``, 256 pads, ``<|vision_end|>``. So the first 256 tokens of every prompt
+    that starts with the same image are the same (one prefix-cache block at block size 256).
+    """
+    if text is None:
+        text = {1: "Describe the image.", 2: "Describe both images."}.get(
+            num_images, "Describe the images."
+        )
+    return "<|vision_start|><|image_pad|><|vision_end|>" * num_images + text
+
+
 def two_image_prompt(text: str = "Describe both images.") -> str:
     """Raw prompt with image 1 at [1,257) and image 2 at [259,515)."""
-    one = "<|vision_start|><|image_pad|><|vision_end|>"
-    return one + one + text
+    return image_prompt(2, text)
 
 
 def main(argv: list[str] | None = None) -> int:
