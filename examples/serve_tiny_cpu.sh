@@ -14,7 +14,8 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PYTHON:-python}"
 MODEL_DIR="${MODEL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-mamba-fix/tiny}"
 # Built only when missing (seconds): an existing dir, e.g. one with an MTP head, is left alone.
-[[ -f "$MODEL_DIR/config.json" ]] || "$PY" -m tools.tiny_model "$MODEL_DIR" >/dev/null
+[[ -f "$MODEL_DIR/config.json" ]] ||
+  PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m tools.tiny_model "$MODEL_DIR" >/dev/null
 export PYTHONPATH="$REPO/tools/test_site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 # --mm-processor-cache-gb 0: vLLM 0.27.1's processor cache tokenizes text without its images,
