@@ -111,6 +111,8 @@ def install_on_base(
             continue
         _set(base, name, _wrap(name, base.__dict__[name], rule_options))
         wrapped.append(name)
+    if problems and not wrapped:
+        return (), problems  # every rule the base needs is unpatchable: leave vLLM as it is
     for name, make in (
         (INIT_METHOD, lambda original: make_init_wrapper(original, on_built)),
         (FREE_REQUEST_METHOD, make_free_request_wrapper),

@@ -27,7 +27,14 @@ from vllm_mamba_fix.evidence import read_evidence
 from vllm_mamba_fix.policy import Plan, Preflight, Rule, plan, preflight
 from vllm_mamba_fix.record import ClassRecord, MethodState
 from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.targets import INIT_METHOD, RULE_METHODS, SCHEDULER_CLASS
+from vllm_mamba_fix.targets import (
+    ENCODER_METHOD,
+    FREE_REQUEST_METHOD,
+    INIT_METHOD,
+    RULE_METHODS,
+    SCHEDULER_CLASS,
+    SPLIT_METHOD,
+)
 from vllm_mamba_fix.versions import Family, PrefillGate, family_for
 from vllm_mamba_fix.wrappers import EncoderOptions, WrapOptions
 
@@ -50,6 +57,8 @@ class _Installed:
     family: Family
     version: str
     policy: ScopePolicy
+    # Base methods whose shape kept them stock, already said at install time.
+    unpatchable_on_base: frozenset[str] = frozenset()
 
 
 _installed: _Installed | None = None
@@ -137,17 +146,23 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                     logging.WARNING, f"{module.__name__} has no Scheduler class; not patching"
                 )
                 return
-            if _installed is not None or patch.is_wrapped(base, INIT_METHOD):
-                logger.debug("vllm-mamba-fix: already installed in this process")
+            if _installed is not None or any(
+                patch.is_wrapped(base, name) for name in (INIT_METHOD, *RULE_METHODS)
+            ):
+                logger.debug("vllm-mamba-fix: already active in this process")
                 return
             policy = ScopePolicy(settings.scope)
             policy.load()  # here, not in the first scheduling step that needs it
-            installed = _Installed(base, settings, family, version, policy)
-            decided, _ = _plan_for(base, installed)
+            decided, _ = _plan_for(base, _Installed(base, settings, family, version, policy))
             options = _rule_options(decided, settings, family, policy)
             wrapped, problems = patch.install_on_base(base, options, _on_scheduler_built)
+            installed = _Installed(base, settings, family, version, policy, frozenset(problems))
             for name, problem in problems.items():
-                _say_once(logging.WARNING, f"not patching {name}: {problem}")
+                # Without _free_request only the streak cap bounds per-request state.
+                level = logging.DEBUG if name == FREE_REQUEST_METHOD else logging.WARNING
+                _say_once(level, _install_problem_line(name, problem, decided))
+            if not wrapped:
+                return
             _installed = installed
             counters.register_shutdown_summary()
             logger.debug(
@@ -160,6 +175,18 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                 check_class(base)  # no per-construction check: report the base now
     except Exception as exc:
         _say_once(logging.WARNING, f"not patching after an error ({type(exc).__name__}: {exc})")
+
+
+def _install_problem_line(name: str, problem: str, decided: Plan) -> str:
+    if name == SPLIT_METHOD:
+        return f"not patching: {problem}"
+    if name == ENCODER_METHOD:
+        rules = decided.rules & {Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG}
+        names = " and ".join(sorted(rule.value for rule in rules))
+        return f"not installing {names}: {problem}"
+    if name == INIT_METHOD:
+        return f"cannot check each scheduler vLLM builds: {problem}"
+    return f"per-request state is bounded only by its cap: {problem}"
 
 
 def _on_scheduler_built(scheduler: Any) -> None:
@@ -210,7 +237,10 @@ def check_class(cls: type, unit: BlockUnit | None = None) -> ClassRecord | None:
 
 
 def _log_record(result: ClassRecord, installed: _Installed) -> None:
+    base = f"{installed.base.__module__}.{installed.base.__qualname__}"
     for method in result.methods:
+        if method.owner == base and method.name in installed.unpatchable_on_base:
+            continue
         if method.state in (MethodState.OVERRIDDEN, MethodState.UNPATCHABLE):
             _say_once(
                 logging.WARNING,

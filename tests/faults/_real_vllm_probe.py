@@ -64,6 +64,10 @@ def engine_core_child() -> None:
     vllm.plugins.load_general_plugins()
     import vllm.v1.core.sched.scheduler
 
+    # A real scheduler, built as EngineCore builds one: its class's active line.
+    from tools.sched_harness import HarnessConfig, build_scheduler
+
+    build_scheduler(HarnessConfig())
     result(
         "child",
         {"pid": os.getpid(), "patched": is_patched(), "allow": os.environ.get("VLLM_PLUGINS")},
@@ -122,9 +126,15 @@ def hygiene() -> None:
     from types import SimpleNamespace
 
     scheduler = sys.modules[SCHEDULER_MODULE].Scheduler
+
     # What vLLM 0.27.1's method reads from the scheduler, at the engine's block size.
+    class MambaSpec(SimpleNamespace):
+        pass
+
+    group = SimpleNamespace(kv_cache_spec=MambaSpec(block_size=128))
     fake_self = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=128),
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[group]),
         use_eagle=False,
         max_num_scheduled_tokens=192,
         scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),

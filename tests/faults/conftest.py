@@ -359,6 +359,10 @@ class ProbeRun:
             PROBE_EXCLUDE=PROBE_EXCLUDE,
             PYTHONDONTWRITEBYTECODE="1",  # no .pyc writes to confuse the file audit
             VLLM_LOGGING_LEVEL="INFO",
+            # The engine-core child builds a scheduler with the harness.
+            PYTHONPATH=os.pathsep.join(
+                filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")])
+            ),
         )
         with self.out.open("wb") as sink:
             self.process = subprocess.Popen(

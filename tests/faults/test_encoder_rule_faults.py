@@ -15,7 +15,9 @@ import pytest
 
 import vllm_mamba_fix
 from tests.faults.conftest import (
+    BLOCK,
     FIXED_SCHEDULER,
+    METHOD,
     STOCK_ENCODER_DEF,
     STOCK_SCHEDULER,
     FakeRequest,
@@ -23,6 +25,7 @@ from tests.faults.conftest import (
     LogCapture,
 )
 from vllm_mamba_fix import patch, register, targets, wrappers
+from vllm_mamba_fix.scope import ScopePolicy
 
 FakeFactory = Callable[..., FakeVllm]
 ENCODER = targets.ENCODER_METHOD
@@ -45,12 +48,14 @@ def test_unexpected_encoder_signature_leaves_that_method_stock(
 ) -> None:
     module = fake_vllm(scheduler=BAD_ENCODER).import_module()
     register()
+    module.Scheduler(BLOCK)
     logs.assert_no_traceback()
     (warning,) = logs.warnings
     assert "not installing speculative-stall and stall-watchdog" in warning
     assert "unexpected signature" in warning and "computed, n, budget, shift" in warning
     (active,) = [line for line in logs.visible if " active: " in line]
-    assert "patched Scheduler._mamba_block_aligned_split;" in active and ENCODER not in active
+    assert "carries split [" in active and "wraps" in active
+    assert f"Scheduler.{METHOD}" in active and ENCODER not in active
     assert not patch.is_wrapped(module.Scheduler, ENCODER)
     assert patch.is_wrapped(module.Scheduler)
 
@@ -93,7 +98,7 @@ def test_vllms_own_error_in_the_encoder_method_propagates(fake_vllm: FakeFactory
     setattr(scheduler, ENCODER, boom)
     try:
         options = wrappers.EncoderOptions(
-            patch.ScopePolicy(vllm_mamba_fix.config.Scope.MULTIMODAL), True, 0.0
+            ScopePolicy(vllm_mamba_fix.config.Scope.MULTIMODAL), True, 0.0
         )
         patch.wrap_encoder(scheduler, options)
         with pytest.raises(VllmOwnError) as excinfo:
@@ -156,6 +161,7 @@ def test_code_evidence_patches_a_pre_fix_dev_build(
     scheduler = fake_vllm(version="0.28.0.dev3", scheduler=STOCK_SCHEDULER).import_scheduler()
     register()
     assert patch.is_wrapped(scheduler)
+    scheduler(BLOCK)
     (active,) = [line for line in logs.visible if " active: " in line]
     assert "split [code: Scheduler.schedule budgets encoder inputs before the split" in active
     assert "pre-fix build" in active
@@ -165,7 +171,9 @@ def test_code_evidence_leaves_a_backport_alone(logs: LogCapture, fake_vllm: Fake
     scheduler = fake_vllm(version="0.27.1", scheduler=FIXED_SCHEDULER).import_scheduler()
     register()
     assert not patch.is_wrapped(scheduler) and not patch.is_wrapped(scheduler, ENCODER)
+    scheduler(BLOCK)
     logs.assert_no_traceback()
     (line,) = logs.visible
-    assert "not needed on vLLM 0.27.1" in line and "untouched" in line
+    assert "not needed for vllm.v1.core.sched.scheduler.Scheduler on vLLM 0.27.1" in line
+    assert "leaving it stock" in line
     assert "splits before encoder budgeting" in line and "backport" in line

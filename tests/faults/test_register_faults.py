@@ -7,6 +7,7 @@ import-level cases that need a fresh interpreter are in test_subprocess_faults.
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
 import sys
 import threading
 import types
@@ -18,6 +19,7 @@ from tests.faults.conftest import (
     BLOCK,
     FIXED_SCHEDULER,
     METHOD,
+    STOCK_SCHEDULER,
     FakeRequest,
     FakeVllm,
     LogCapture,
@@ -25,13 +27,27 @@ from tests.faults.conftest import (
     original_function,
     scheduler_method,
 )
-from vllm_mamba_fix import import_hook, patch, plugin, register, targets, unregister, versions, wrappers
+from vllm_mamba_fix import (
+    import_hook,
+    patch,
+    plugin,
+    record,
+    register,
+    targets,
+    unregister,
+    versions,
+    wrappers,
+)
+from vllm_mamba_fix.policy import Rule
+from vllm_mamba_fix.record import MethodState
+from vllm_mamba_fix.scope import ScopePolicy
 
 FakeFactory = Callable[..., FakeVllm]
 
 
 def _active_lines(logs: LogCapture) -> list[str]:
-    return [line for line in logs.visible if " active: patched " in line]
+    """The per-class active lines; vLLM building a scheduler logs its class's."""
+    return [line for line in logs.visible if " active: " in line]
 
 
 def _assert_one_warning(logs: LogCapture, *needles: str) -> str:
@@ -185,7 +201,7 @@ def test_unpatchable_target_is_left_alone(
         exec(compile(source, "again", "exec"), before.__dict__)
         assert not is_patched(scheduler)
         assert type(scheduler_method(scheduler)) is type(before.Scheduler.__dict__.get(METHOD))
-    assert plugin._patched == []
+    assert patch.changed_classes() == []
     # Asking again neither patches nor repeats the line.
     register()
     assert len(logs.visible) == 1, logs.visible
@@ -199,7 +215,7 @@ def test_already_patched_by_us_is_not_wrapped_again(
     original = scheduler_method(scheduler)
     options = wrappers.WrapOptions(
         prefill_gate=versions.PrefillGate.BEFORE_PREFILL_END,
-        policy=patch.ScopePolicy(plugin.load_settings().scope),
+        policy=ScopePolicy(plugin.load_settings().scope),
     )
     patch.wrap(scheduler, options)
     ours = scheduler_method(scheduler)
@@ -238,7 +254,7 @@ HPU_NAME = "vllm.v1.core.sched.hpu_scheduler.HPUAsyncScheduler"
     ["subclass-loaded-before-register", "register-then-subclass", "register-scheduler-subclass"],
 )
 def test_overriding_subclass_is_named(order: str, logs: LogCapture, fake_vllm: FakeFactory) -> None:
-    """The base patch cannot reach an override: say so, naming the class.
+    """The base patch cannot reach an override: when vLLM builds it, say so, naming the class.
 
     In vLLM the platform's scheduler module is imported when the engine
     resolves the scheduler class, i.e. after register() and after the base
@@ -257,29 +273,43 @@ def test_overriding_subclass_is_named(order: str, logs: LogCapture, fake_vllm: F
         fake.import_module("scheduler")
         fake.import_module("hpu_scheduler")
     hpu = fake.import_module("hpu_scheduler")
+    assert logs.warnings == []  # nothing is said about a class vLLM has not built
+    hpu.HPUAsyncScheduler(BLOCK)
+    hpu.HPUAsyncScheduler(BLOCK)
 
     logs.assert_no_traceback()
-    assert len(_active_lines(logs)) == 1, logs.visible
     assert len(logs.warnings) == 1, logs.visible
     assert HPU_NAME in logs.warnings[0] and METHOD in logs.warnings[0]
-    assert "AsyncScheduler " not in logs.warnings[0].replace("HPUAsyncScheduler", "")
+    assert "overridden" in logs.warnings[0]
+    (active,) = _active_lines(logs)  # the encoder rules still reach it
+    assert HPU_NAME in active and "split" not in active.split(" carries ")[1].split(";")[0]
+    (hpu_record,) = [r for r in record.records() if r.scheduler_class == HPU_NAME]
+    assert hpu_record.method(METHOD).state is MethodState.OVERRIDDEN
+    assert Rule.SPLIT in hpu_record.left_out
     assert is_patched(hpu.Scheduler)
     assert not is_patched(hpu.HPUAsyncScheduler)  # vllm-gaudi's own method is untouched
     assert hpu.AsyncScheduler.__dict__.get(METHOD) is None
-    # Defining more classes later neither raises nor repeats the line.
-    type("AnotherScheduler", (hpu.AsyncScheduler,), {METHOD: lambda self, r, n: n})
-    assert len([w for w in logs.warnings if HPU_NAME in w]) == 1
+    # Building vLLM's own subclass: it inherits the wrapper, no warning.
+    hpu.AsyncScheduler(BLOCK)
+    assert len(logs.warnings) == 1
+    assert len(_active_lines(logs)) == 2
 
 
-def test_subclass_watch_is_undone(logs: LogCapture, fake_vllm: FakeFactory) -> None:
-    scheduler = fake_vllm().import_scheduler()
-    before = dict(vars(scheduler))
+def test_unregister_restores_every_class(logs: LogCapture, fake_vllm: FakeFactory) -> None:
+    fake = fake_vllm()
+    fake.write("hpu_scheduler", HPU_SCHEDULER)
+    scheduler = fake.import_scheduler()
+    hpu = fake.import_module("hpu_scheduler")
+    before = {cls: dict(vars(cls)) for cls in (scheduler, hpu.AsyncScheduler)}
     register()
+    hpu.AsyncScheduler(BLOCK)
+    assert record.records()
     unregister()
-    assert dict(vars(scheduler)) == before
+    assert {cls: dict(vars(cls)) for cls in before} == before
+    assert record.records() == ()
     logs.clear()
-    type("Later", (scheduler,), {METHOD: lambda self, r, n: n})
-    assert logs.warnings == []
+    hpu.HPUAsyncScheduler(BLOCK)  # no check runs any more
+    assert logs.visible == []
 
 
 # --------------------------------------------------------------------- versions
@@ -324,10 +354,11 @@ def test_dev_and_local_versions_judged_by_release(
     fake = fake_vllm(version=version)
     scheduler = fake.import_scheduler()
     register()
+    scheduler(BLOCK)
     logs.assert_no_traceback()
     assert logs.warnings == []
     (line,) = logs.visible
-    assert f"family {family}," in line and " active: patched " in line
+    assert f"family {family}," in line and " active: " in line
     assert is_patched(scheduler)
 
 
@@ -347,6 +378,7 @@ def test_unaffected_versions_are_left_alone(
     fake = fake_vllm(version=version, scheduler=FIXED_SCHEDULER)
     scheduler = fake.import_scheduler()
     register()
+    scheduler(BLOCK)
     logs.assert_no_traceback()
     assert logs.warnings == []
     assert len(logs.visible) == 1 and needle in logs.visible[0], logs.visible
@@ -360,6 +392,7 @@ def test_force_patches_an_unreadable_version_when_the_shape_fits(
     fake = fake_vllm(version="garbage")
     scheduler = fake.import_scheduler()
     register()
+    scheduler(BLOCK)
     logs.assert_no_traceback()
     assert logs.warnings == []
     assert len(_active_lines(logs)) == 1
@@ -377,6 +410,7 @@ def test_invalid_mode_warns_once_then_uses_auto(
     scheduler = fake_vllm().import_scheduler()
     register()
     register()
+    scheduler(BLOCK)
     logs.assert_no_traceback()
     assert len(logs.warnings) == 1, logs.warnings
     warning = logs.warnings[0]
@@ -396,6 +430,7 @@ def test_invalid_scope_warns_once_then_uses_multimodal(
     monkeypatch.setenv("VLLM_MAMBA_FIX_SCOPE", value)
     scheduler = fake_vllm().import_scheduler()
     register()
+    sched = scheduler(BLOCK)
     logs.assert_no_traceback()
     assert len(logs.warnings) == 1, logs.warnings
     warning = logs.warnings[0]
@@ -404,7 +439,6 @@ def test_invalid_scope_warns_once_then_uses_multimodal(
     (active,) = _active_lines(logs)
     assert "scope multimodal" in active
     # Behaviour of the default scope: text-only chunks stay stock, image ones are corrected.
-    sched = scheduler(BLOCK)
     assert sched._mamba_block_aligned_split(FakeRequest(has_encoder_inputs=False), 100) == 0
     assert sched._mamba_block_aligned_split(FakeRequest(has_encoder_inputs=True), 100) == 100
 
@@ -443,9 +477,11 @@ def test_register_twice_wraps_once(
         assert original_function(scheduler) is original
     assert is_patched(scheduler)
     original_function(scheduler)  # asserts a single layer
+    scheduler(BLOCK)
+    scheduler(BLOCK)  # one active line per class, however many are built
     assert len(_active_lines(logs)) == 1
     assert logs.visible == _active_lines(logs)
-    assert plugin._patched == [scheduler]
+    assert patch.changed_classes() == [scheduler]
     logs.assert_no_traceback()
 
 
@@ -502,7 +538,8 @@ def test_concurrent_register_wraps_once(
     inner = original_function(scheduler)  # a single layer
     if original is not None:
         assert inner is original
-    assert plugin._patched == [scheduler]
+    assert patch.changed_classes() == [scheduler]
+    scheduler(BLOCK)
     assert len(_active_lines(logs)) == 1, logs.visible
     assert logs.visible == _active_lines(logs)
     logs.assert_no_traceback()
@@ -523,14 +560,6 @@ class _Gate(importlib.abc.MetaPathFinder):
             self.go.wait(10)
 
 
-RACE_REASON = (
-    "known limitation: register() in one thread while another thread is in the middle of the "
-    "first import of the scheduler module is not patched (vLLM registers plugins before it "
-    "imports the scheduler, in the same thread)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=RACE_REASON)
 def test_register_racing_a_first_import_in_another_thread(
     logs: LogCapture, fake_vllm: FakeFactory
 ) -> None:
@@ -541,11 +570,16 @@ def test_register_racing_a_first_import_in_another_thread(
     importer = threading.Thread(target=lambda: imported.append(fake.import_scheduler()))
     importer.start()
     assert gate.passed.wait(10)
-    register()  # the import has already walked past where the hook goes
+    registering = threading.Thread(target=register)  # the import has walked past the hook
+    registering.start()
+    registering.join(0.5)
+    assert registering.is_alive()  # it waits for the import in progress
     gate.go.set()
     importer.join(10)
+    registering.join(10)
     logs.assert_no_traceback()
     assert is_patched(imported[0])
+    imported[0](BLOCK)
     assert len(_active_lines(logs)) == 1
 
 
@@ -587,3 +621,39 @@ def test_register_never_raises_on_internal_error(
     register()
     _assert_one_warning(logs, needle, type(error).__name__)
     assert not is_patched(scheduler)
+
+
+FAILS_ONCE = (
+    "import os\n"
+    "if not os.environ.get('MAMBA_FIX_TEST_FAILED_ONCE'):\n"
+    "    os.environ['MAMBA_FIX_TEST_FAILED_ONCE'] = '1'\n"
+    "    raise ImportError('the first import of the scheduler fails')\n"
+) + STOCK_SCHEDULER
+
+
+def test_failed_first_import_patches_on_the_import_that_succeeds(
+    logs: LogCapture, fake_vllm: FakeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MAMBA_FIX_TEST_FAILED_ONCE", raising=False)
+    fake = fake_vllm(scheduler=FAILS_ONCE)
+    register()
+    with pytest.raises(ImportError, match="first import"):
+        fake.import_scheduler()
+    assert isinstance(import_hook._pending_hook, import_hook.PostImportHook)
+    scheduler = fake.import_scheduler()
+    assert is_patched(scheduler)
+    assert import_hook._pending_hook is None
+    assert not any(isinstance(f, import_hook.PostImportHook) for f in sys.meta_path)
+    scheduler(BLOCK)
+    assert len(_active_lines(logs)) == 1
+    logs.assert_no_traceback()
+
+
+def test_a_probing_find_spec_leaves_the_hook_armed(
+    logs: LogCapture, fake_vllm: FakeFactory
+) -> None:
+    fake = fake_vllm()
+    register()
+    assert importlib.util.find_spec(targets.SCHEDULER_MODULE) is not None  # a probe, no import
+    scheduler = fake.import_scheduler()
+    assert is_patched(scheduler)

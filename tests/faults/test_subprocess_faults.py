@@ -121,11 +121,13 @@ def test_spawned_engine_core_child_is_patched(real_vllm_probe: ProbeRun) -> None
     assert child["allow"] == "mamba_fix"
     assert child["patched"] is True, output
     assert child["pid"] != results["excluded"]["pid"]
-    active = [line for line in _mamba_lines(output) if " active: patched " in line]
-    # Exactly one line from the child, which names it; the hygiene phase adds the parent's.
+    active = [line for line in _mamba_lines(output) if " active: " in line]
+    # Exactly one line from the child, which built a scheduler, naming it and its class.
     from_child = [line for line in active if f"pid {child['pid']})" in line]
     assert len(from_child) == 1, output
     assert "vLLM 0.27.1" in from_child[0] and "scope multimodal" in from_child[0]
+    assert "vllm.v1.core.sched.scheduler.Scheduler carries split" in from_child[0]
+    assert "(Mamba KV cache groups" in from_child[0]
 
 
 def test_no_traceback_and_no_plugin_errors(real_vllm_probe: ProbeRun) -> None:

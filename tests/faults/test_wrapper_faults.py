@@ -23,9 +23,16 @@ RAISING_SCHEDULER = """
 from types import SimpleNamespace
 
 
+class MambaSpec:
+    def __init__(self, block_size):
+        self.block_size = block_size
+
+
 class Scheduler:
     def __init__(self, block_size=128):
         self.cache_config = SimpleNamespace(block_size=block_size)
+        group = SimpleNamespace(kv_cache_spec=MambaSpec(block_size))
+        self.kv_cache_config = SimpleNamespace(kv_cache_groups=[group])
         self.to_raise = None
 
     def _mamba_block_aligned_split(
@@ -45,6 +52,7 @@ def patched(fake_vllm: FakeFactory, logs: LogCapture) -> Iterator[type]:
     scheduler = fake_vllm(scheduler=RAISING_SCHEDULER).import_scheduler()
     register()
     assert hasattr(scheduler_method(scheduler), targets.MARKER)
+    scheduler(BLOCK)  # its class's active line
     logs.clear()
     yield scheduler
 
