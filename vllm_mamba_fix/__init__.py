@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # The one place the version is written: pyproject.toml reads it (setuptools dynamic version).
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 from vllm_mamba_fix.counters import stats
 from vllm_mamba_fix.plugin import register, unregister
