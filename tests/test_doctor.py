@@ -204,13 +204,32 @@ def test_default_dry_run_patches_through_the_import_hook_and_undoes(real: dict[s
     assert dry["ran"] and not dry["forced"]
     assert dry["patched"] and dry["restored"] and dry["via"] == "import hook"
     assert dry["wrapped_methods"] == ["_mamba_block_aligned_split", "_try_schedule_encoder_inputs"]
-    active = "active: patched Scheduler._mamba_block_aligned_split and "
-    assert any(active + "Scheduler._try_schedule_encoder_inputs" in m for m in dry["log"])
     by_class = {s["class"].rsplit(".", 1)[1]: s for s in data["schedulers"]}
     for name in ("Scheduler", "AsyncScheduler"):
         assert by_class[name]["reached"] is True
         assert by_class[name]["overridden_by"] is None
         assert all(m["reached"] for m in by_class[name]["methods"].values())
+        # The plugin's typed record for the class: both rule methods carry its wrapper.
+        record = by_class[name]["record"]
+        assert record["scheduler_class"] == by_class[name]["class"]
+        states = {m["name"]: (m["state"], m["owner"], m["wraps"]) for m in record["methods"]}
+        stock = "vllm.v1.core.sched.scheduler.Scheduler"
+        assert states == {
+            "_mamba_block_aligned_split": ("wrapped", stock, f"{stock}._mamba_block_aligned_split"),
+            "_try_schedule_encoder_inputs": (
+                "wrapped", stock, f"{stock}._try_schedule_encoder_inputs",
+            ),
+        }  # fmt: skip
+        expected_rules = {*_needed_by_version(_VLLM), "stall-watchdog"}
+        assert set(record["rules"]) == expected_rules and record["left_out"] == []
+        assert record["block_size"] is None  # a dry run builds no scheduler
+    assert {r["scheduler_class"] for r in data["install_records"]} == {
+        by_class[name]["class"] for name in ("Scheduler", "AsyncScheduler")
+    }
+    assert data["block_size"] is None
+    # The plugin's own active line is shown (captured), one per class it settled.
+    for name in ("Scheduler", "AsyncScheduler"):
+        assert any(f"active: {by_class[name]['class']} carries " in m for m in dry["log"])
 
 
 @needs_affected_vllm
@@ -289,6 +308,16 @@ def test_custom_scheduler_that_overrides_is_named(real: dict[str, Run]) -> None:
         assert named and "speculative-stall and stall-watchdog do not reach it" in named[0]
     else:  # only the watchdog is lost: a warning
         assert not named
+    # One typed record per class given, and the dry run undid what settling them wrapped.
+    states = {
+        s["class"].rsplit(".", 1)[1]: {m["name"]: m["state"] for m in s["record"]["methods"]}
+        for s in data["schedulers"]
+    }
+    split, encoder = "_mamba_block_aligned_split", "_try_schedule_encoder_inputs"
+    assert states["OverridingScheduler"][split] == "overridden"
+    assert states["EncoderOverridingScheduler"] == {split: "wrapped", encoder: "overridden"}
+    assert states["InheritingScheduler"] == {split: "wrapped", encoder: "wrapped"}
+    assert data["dry_run"]["restored"] is True
 
 
 # --- fake vLLM -----------------------------------------------------------------------
@@ -896,3 +925,151 @@ def test_json_fields_and_exit_codes_are_pinned_on_fakes(
     else:
         run = _fake_run(tmp_path, vllm_version, "--json", *args, **fake)
     _assert_pinned(run, code, status, extra, absent)
+
+
+# --- per class, and no log text ------------------------------------------------------
+
+# A platform scheduler with its own copy of schedule() in the pre-0.28 order (encoder
+# inputs budgeted before the split), as vllm-ascend's vllm_ascend/core/recompute_scheduler.py
+# keeps on any vLLM.
+OLD_ORDER_SCHEDULER = """\
+from vllm.v1.core.sched.scheduler import Scheduler
+
+
+class OldOrderScheduler(Scheduler):
+    def schedule(self):
+        n = self._try_schedule_encoder_inputs(None, 0, 8, 8, shift_computed_tokens=1)[1]
+        return self._mamba_block_aligned_split(None, n)
+"""
+
+
+def test_scheduler_cls_with_its_own_old_order_schedule_is_reported_per_class(
+    tmp_path: Path,
+) -> None:
+    site = _fake_vllm(tmp_path / "site", "0.32.0")
+    (site / "platform_sched.py").write_text(OLD_ORDER_SCHEDULER)
+    name = "platform_sched.OldOrderScheduler"
+    # Given twice: still one entry (and one record) per class.
+    args = ("--json", "--scheduler-cls", name, "--scheduler-cls", name)
+    run = _run(_doctor(*args), {"PYTHONPATH": str(site)})
+    assert run.code == 0, run.out + run.err
+    data = run.json()
+    assert data["status"] == "protected"
+    # The base is fixed upstream (0.28+); the subclass's own code needs the split.
+    assert data["policy"]["needed_rules"] == ["split", "speculative-stall"]
+    assert f"split (by the code of {name})" in data["policy"]["reason"]
+    assert _rules(data)["split"]["needed_by_classes"] == [name]
+    entries = [s for s in data["schedulers"] if s["class"] == name]
+    assert len(entries) == 1
+    record = entries[0]["record"]
+    assert "split" in record["rules"]
+    split = next(m for m in record["methods"] if m["name"] == "_mamba_block_aligned_split")
+    # Installed on the subclass only, so the fixed base stays stock.
+    assert (split["state"], split["owner"]) == ("wrapped", name)
+    base = next(s for s in data["schedulers"] if s["class"].endswith(".scheduler.Scheduler"))
+    base_split = next(
+        m for m in base["record"]["methods"] if m["name"] == "_mamba_block_aligned_split"
+    )
+    assert base_split["state"] == "stock"
+    assert data["dry_run"]["restored"] is True
+
+
+# Runs doctor with the plugin's log silenced and nothing captured: the verdict must not change.
+_SILENT_DOCTOR = """\
+import sys
+from vllm_mamba_fix._log import logger
+from vllm_mamba_fix.doctor import report
+report.LogCapture.emit = lambda self, record: None
+logger.disabled = True
+from vllm_mamba_fix.doctor import main
+raise SystemExit(main(["doctor", "--json", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("vllm_version", "fake", "code", "status", "needle"),
+    [
+        ("0.25.1", {}, 0, "protected", None),
+        ("0.27.1", {"signature": SPLIT_CHANGED}, 1, "not-protected", "unexpected signature"),
+        ("0.32.0", {"encoder": ENCODER_CHANGED}, 1, "not-protected", "unexpected signature"),
+        ("0.27.1", {"code": BACKPORT_CODE}, 0, "not-needed", None),
+    ],
+)
+def test_verdict_does_not_depend_on_the_plugin_log(
+    tmp_path: Path,
+    vllm_version: str,
+    fake: dict[str, str],
+    code: int,
+    status: str,
+    needle: str | None,
+) -> None:
+    site = _fake_vllm(tmp_path / "site", vllm_version, **fake)
+    silent = _run([sys.executable, "-c", _SILENT_DOCTOR], {"PYTHONPATH": str(site)})
+    heard = _run(_doctor("--json"), {"PYTHONPATH": str(site)})
+    quiet, loud = silent.json(), heard.json()
+    assert quiet["dry_run"]["log"] == [] and loud["dry_run"]["log"]  # the silencing worked
+    assert (silent.code, quiet["status"]) == (heard.code, loud["status"]) == (code, status)
+    assert quiet["problems"] == loud["problems"]
+    if needle is not None:
+        assert needle in quiet["problems"][0]
+
+
+# --- the verdict, from typed inputs --------------------------------------------------
+
+
+def _policy_inputs(vllm_version: str) -> tuple[Any, Any]:
+    family = family_for(vllm_version)
+    return family, plan(Mode.AUTO, family, Evidence(), 30.0)
+
+
+def test_needed_rules_follow_release_classes_and_speculative_method() -> None:
+    from vllm_mamba_fix.doctor import verdict
+
+    family, by_code = _policy_inputs("0.32.0")
+    assert verdict.needed_rules(family, Mode.AUTO, by_code, False) == {Rule.SPECULATIVE_STALL}
+    assert verdict.needed_rules(family, Mode.AUTO, by_code, True) == frozenset()
+    by_class = verdict.needed_rules(family, Mode.AUTO, by_code, False, frozenset({Rule.SPLIT}))
+    assert by_class == {Rule.SPLIT, Rule.SPECULATIVE_STALL}
+    unknown, unknown_plan = _policy_inputs("not-a-version")
+    assert verdict.needed_rules(unknown, Mode.AUTO, unknown_plan, False) == frozenset()
+    assert verdict.needed_rules(unknown, Mode.FORCE, unknown_plan, False) == {Rule.SPLIT}
+
+
+def test_problems_and_status_from_typed_inputs() -> None:
+    from vllm_mamba_fix.doctor import verdict
+
+    family, by_code = _policy_inputs("0.27.1")
+    needed = verdict.needed_rules(family, Mode.OFF, by_code, False)
+    chosen = verdict.policy(family, "0.27.1", needed, False, "disabled", by_code, "")
+    assert chosen.verdict == "needed-will-not-patch"
+    delivery = verdict.Delivery(Mode.OFF, "0", "no entry point", False, "other")
+    rule_problems = {Rule.SPLIT: "split would not apply: x"}
+    found = verdict.problems(chosen, delivery, rule_problems, ("class y",))
+    assert found == [
+        "disabled by VLLM_MAMBA_FIX='0'",
+        "no entry point",
+        "VLLM_PLUGINS='other' does not list 'mamba_fix'; vLLM will not load the plugin",
+        "split would not apply: x",
+        "class y",
+    ]
+    assert verdict.status(chosen, [], found) == "not-protected"
+    assert verdict.status(chosen, ["bad"], found) == "invalid-input"
+    ok = verdict.Delivery(Mode.AUTO, None, None, True, None)
+    will = verdict.policy(family, "0.27.1", needed, True, "", by_code, "")
+    assert verdict.problems(will, ok, {}, ()) == []
+    assert verdict.status(will, [], []) == "protected"
+    assert verdict.status(None, [], []) == "unknown"
+    fixed, fixed_plan = _policy_inputs("0.33.0")
+    none = verdict.needed_rules(fixed, Mode.AUTO, fixed_plan, False)
+    calm = verdict.policy(fixed, "0.33.0", none, True, "", fixed_plan, "")
+    assert (calm.verdict, verdict.status(calm, [], [])) == ("not-needed", "not-needed")
+
+
+def test_doctor_modules_stay_small() -> None:
+    sizes = {
+        str(path.relative_to(PACKAGE_DIR / "doctor")): len(path.read_text().splitlines())
+        for path in (PACKAGE_DIR / "doctor").rglob("*.py")
+    }
+    assert {"cli.py", "verdict.py", "render.py", "checks/schedulers.py"} <= set(sizes)
+    assert not (PACKAGE_DIR / "doctor.py").exists()
+    assert max(sizes.values()) < 400, sizes

@@ -1,0 +1,59 @@
+"""``vllm-mamba-fix doctor``: will the fix be active where vLLM's scheduler runs?
+
+It checks, in this interpreter and environment: the vLLM release, the
+scheduler's code evidence and which of the two decides each rule (split,
+speculative-stall, stall-watchdog), the ``vllm.general_plugins`` entry point,
+``VLLM_PLUGINS``, the plugin's own settings, and, per scheduler class vLLM
+may build (``--scheduler-cls``, repeatable), what the plugin installs for it;
+it dry-runs the patch (apply through ``register()``, settle each class as the
+engine does, verify every wrapper, undo).
+
+Speculative decoding is configured when the engine starts, so the doctor
+cannot see it; pass the engine's --speculative-config to have it classified.
+
+Exit codes:
+  0  protected (every rule the release needs will apply), or not needed
+  1  not protected: a rule the release needs would not apply
+  2  invalid input: bad arguments (a --speculative-config that is not a JSON
+     object, or that vLLM would reject), or a --scheduler-cls that cannot be
+     loaded
+  3  cannot tell: vLLM is not importable, its version cannot be read, or an
+     internal error
+"""
+
+# The package: one check per module under checks/, a pure verdict from their typed
+# results (verdict), rendering (render) and the command line (cli). It reads the
+# plugin's typed install record (plugin.check_class), never its log text.
+
+from __future__ import annotations
+
+from vllm_mamba_fix.doctor.checks.speculative import (
+    FALLBACK_METHODS,
+    SpeculativeMethods,
+    classify_speculative,
+    release_speculative_methods,
+)
+from vllm_mamba_fix.doctor.cli import build_parser, main
+from vllm_mamba_fix.doctor.core import run
+from vllm_mamba_fix.doctor.report import (
+    EXIT_CANNOT_TELL,
+    EXIT_INVALID_INPUT,
+    EXIT_NOT_PROTECTED,
+    EXIT_OK,
+    Report,
+)
+
+__all__ = [
+    "EXIT_CANNOT_TELL",
+    "EXIT_INVALID_INPUT",
+    "EXIT_NOT_PROTECTED",
+    "EXIT_OK",
+    "FALLBACK_METHODS",
+    "Report",
+    "SpeculativeMethods",
+    "build_parser",
+    "classify_speculative",
+    "main",
+    "release_speculative_methods",
+    "run",
+]

@@ -1,0 +1,63 @@
+"""Whether vLLM's plugin loader would find and load the plugin's ``register``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import vllm_mamba_fix
+from vllm_mamba_fix import __version__, plugin
+from vllm_mamba_fix.config import PLUGIN_NAME
+from vllm_mamba_fix.doctor.report import Report, one_line
+
+PLUGIN_GROUP = "vllm.general_plugins"
+ENTRY_POINT_VALUE = "vllm_mamba_fix:register"
+
+
+def check_entry_point(report: Report) -> bool:
+    from importlib.metadata import entry_points
+
+    info: dict[str, Any] = {"group": PLUGIN_GROUP, "name": PLUGIN_NAME, "found": False}
+    report.data["entry_point"] = info
+    label = "entry point"
+    try:
+        found = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name == PLUGIN_NAME]
+    except Exception as exc:
+        info["error"] = one_line(exc)
+        report.add("fail", label, f"cannot read entry points ({info['error']})")
+        return False
+    if not found:
+        info["error"] = f"no {PLUGIN_GROUP} entry point named {PLUGIN_NAME!r} in {sys.executable}"
+        report.add("fail", label, f"{info['error']}; vLLM will never call the plugin")
+        return False
+    ep = found[-1]  # vLLM keeps the last one of a name
+    dist = getattr(ep, "dist", None)
+    info.update(
+        found=True,
+        value=ep.value,
+        distribution=dist.name if dist else None,
+        distribution_version=dist.version if dist else None,
+        count=len(found),
+    )
+    if len(found) > 1:
+        owners = ", ".join(str(getattr(getattr(e, "dist", None), "name", "?")) for e in found)
+        report.warnings.append(f"{len(found)} entry points named {PLUGIN_NAME!r} ({owners})")
+    try:
+        func = ep.load()
+    except Exception as exc:
+        info["error"] = f"{ep.value} does not load ({one_line(exc)})"
+        report.add("fail", label, info["error"])
+        return False
+    if func is not plugin.register:
+        info["error"] = f"{PLUGIN_NAME!r} resolves to {ep.value}, not {ENTRY_POINT_VALUE}"
+        report.add("fail", label, info["error"])
+        return False
+    owner = f" ({dist.name} {dist.version})" if dist else ""
+    report.add("ok", label, f"{PLUGIN_GROUP}: {PLUGIN_NAME} -> {ep.value}{owner}")
+    if dist and dist.version != __version__:
+        report.warnings.append(
+            f"installed metadata says {dist.name} {dist.version}, but this interpreter imports "
+            f"vllm_mamba_fix {__version__} from {os.path.dirname(vllm_mamba_fix.__file__)}"
+        )
+    return True

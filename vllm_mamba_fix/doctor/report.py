@@ -1,0 +1,107 @@
+"""The report the checks fill in, exit codes, and the I/O helpers they share."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from vllm_mamba_fix._log import logger as plugin_logger
+
+EXIT_OK = 0
+EXIT_NOT_PROTECTED = 1
+EXIT_INVALID_INPUT = 2
+EXIT_CANNOT_TELL = 3
+
+# status -> (exit code, headline)
+STATUS: dict[str, tuple[int, str]] = {
+    "protected": (EXIT_OK, "PROTECTED"),
+    "not-needed": (EXIT_OK, "NOT NEEDED"),
+    "not-protected": (EXIT_NOT_PROTECTED, "NOT PROTECTED"),
+    "invalid-input": (EXIT_INVALID_INPUT, "INVALID INPUT"),
+    "unknown": (EXIT_CANNOT_TELL, "CANNOT TELL"),
+}
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def qualname_of(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclasses.dataclass
+class Line:
+    """One line of the human report."""
+
+    status: str  # ok | fail | warn | info | skip
+    label: str
+    text: str
+
+
+@dataclasses.dataclass
+class Report:
+    lines: list[Line] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)  # why not protected
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)  # the JSON body
+
+    def add(self, status: str, label: str, text: str) -> None:
+        self.lines.append(Line(status, label, text))
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """vLLM logs to stdout by default; keep stdout for the report (and --json)."""
+    sys.stdout.flush()
+    try:
+        fd, err_fd = sys.stdout.fileno(), sys.stderr.fileno()
+        saved = os.dup(fd)
+    except (AttributeError, OSError, ValueError):  # not a real file (embedded use)
+        saved = None
+    if saved is not None:
+        os.dup2(err_fd, fd)
+    try:
+        # Python-level too: vLLM resolves ext://sys.stdout when it configures logging.
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        if saved is not None:
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
+class LogCapture(logging.Handler):
+    """Collects the plugin's log records during the dry run, to show them (never to decide)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, min_level: int = logging.INFO) -> list[str]:
+        texts = (r.getMessage() for r in self.records if r.levelno >= min_level)
+        return [t.removeprefix("vllm-mamba-fix: ") for t in texts]
+
+
+@contextlib.contextmanager
+def captured_plugin_log() -> Iterator[LogCapture]:
+    capture = LogCapture()
+    saved = plugin_logger.level, plugin_logger.propagate
+    plugin_logger.addHandler(capture)
+    plugin_logger.setLevel(logging.DEBUG)
+    plugin_logger.propagate = False  # the report shows them instead
+    try:
+        yield capture
+    finally:
+        plugin_logger.removeHandler(capture)
+        plugin_logger.level, plugin_logger.propagate = saved

@@ -1,0 +1,173 @@
+"""The verdict: pure functions from typed inputs to what the release needs and the status.
+
+No I/O, no vLLM import: every input is a value the checks produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from vllm_mamba_fix.config import ENV_MODE, ENV_VLLM_PLUGINS, PLUGIN_NAME, Mode
+from vllm_mamba_fix.policy import Plan, Rule
+from vllm_mamba_fix.versions import Family, Verdict
+
+# Rules that end a deadlock. The watchdog only names stalls, so a watchdog that
+# would not install is a warning, never "not protected".
+FIX_RULES = (Rule.SPLIT, Rule.SPECULATIVE_STALL)
+
+VERDICT_TEXT = {
+    "needed-will-patch": "needed, will patch",
+    "needed-will-not-patch": "needed, but will NOT patch",
+    "not-needed": "not needed",
+    "unsupported": "unsupported",
+}
+
+
+def needed_rules(
+    family: Family,
+    mode: Mode,
+    by_code: Plan,
+    not_eagle: bool,
+    needed_by_classes: frozenset[Rule] = frozenset(),
+) -> frozenset[Rule]:
+    """The fix rules this deployment needs.
+
+    ``not_eagle``: a --speculative-config that is not EAGLE-type, so the
+    speculative stall cannot arise. ``needed_by_classes``: rules a scheduler
+    class needs by its own ``schedule()``.
+    """
+    if family.verdict is Verdict.UNKNOWN:
+        needed = {Rule.SPLIT} if mode is Mode.FORCE else set()
+    else:
+        needed = {r for r in FIX_RULES if by_code.verdict(r).active} | set(needed_by_classes)
+    if not_eagle:
+        needed.discard(Rule.SPECULATIVE_STALL)
+    return frozenset(needed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    verdict: str  # a key of VERDICT_TEXT
+    needed: frozenset[Rule]
+    should_patch: bool
+    reason: str
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "verdict": self.verdict,
+            "needed": bool(self.needed),
+            "needed_rules": [r.value for r in FIX_RULES if r in self.needed],
+            "should_patch": self.should_patch,
+            "reason": self.reason,
+        }
+
+
+def policy(
+    family: Family,
+    version: str,
+    needed: frozenset[Rule],
+    should_patch: bool,
+    preflight_reason: str,
+    by_code: Plan,
+    spared: str,
+    needed_by: Mapping[Rule, Sequence[str]] | None = None,
+) -> Policy:
+    """What the release needs and whether the plugin will act.
+
+    ``spared`` names a rule let off; ``needed_by`` the classes that need a rule by
+    their own ``schedule()`` where the base class does not.
+    """
+    reason = preflight_reason
+    if needed:
+        verdict = "needed-will-patch" if should_patch else "needed-will-not-patch"
+        if should_patch:
+            # Code or version; only force on an unreadable version needs it by setting.
+            def basis(rule: Rule) -> str:
+                chosen = by_code.verdict(rule)
+                if chosen.active:
+                    return chosen.basis
+                if needed_by and needed_by.get(rule):
+                    return f"the code of {', '.join(needed_by[rule])}"
+                return "setting"
+
+            reason = f"vLLM {version} needs " + " and ".join(
+                f"{r.value} (by {basis(r)})" for r in FIX_RULES if r in needed
+            )
+    elif family.verdict is Verdict.UNKNOWN:
+        verdict = "unsupported"
+    else:
+        verdict = "not-needed"
+        if family.verdict is not Verdict.ABSENT:
+            parts = [
+                f"{v.rule.value} [{v.basis}: {v.reason}]"
+                for v in by_code.verdicts
+                if v.rule in FIX_RULES and not (spared and v.rule is Rule.SPECULATIVE_STALL)
+            ]
+            listed = "; ".join([*parts, spared] if spared else parts)
+            reason = f"not needed on vLLM {version}: {listed}"
+    return Policy(verdict, needed, should_patch, reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+    """Whether vLLM will load and run the plugin, as the checks found."""
+
+    mode: Mode
+    mode_env: str | None  # the raw VLLM_MAMBA_FIX value
+    entry_point_error: str | None  # None: vLLM finds and loads ``register``
+    vllm_plugins_allows: bool
+    vllm_plugins_env: str | None
+
+
+def problems(
+    chosen: Policy,
+    delivery: Delivery,
+    rule_problems: dict[Rule, str],
+    class_problems: tuple[str, ...],
+) -> list[str]:
+    """Why a needed rule would not apply, in the order an operator fixes them."""
+    found: list[str] = []
+    if chosen.needed:
+        if delivery.mode is Mode.OFF:
+            found.append(f"disabled by {ENV_MODE}={delivery.mode_env!r}")
+        if delivery.entry_point_error is not None:
+            found.append(delivery.entry_point_error)
+        if not delivery.vllm_plugins_allows:
+            found.append(
+                f"{ENV_VLLM_PLUGINS}={delivery.vllm_plugins_env!r} does not list "
+                f"{PLUGIN_NAME!r}; vLLM will not load the plugin"
+            )
+        for rule in FIX_RULES:
+            text = rule_problems.get(rule)
+            if rule in chosen.needed and text and text not in found:
+                found.append(text)
+        found.extend(class_problems)
+    elif chosen.verdict == "unsupported":
+        found.append(chosen.reason)
+    return found
+
+
+def status(chosen: Policy | None, bad_input: list[str], found_problems: list[str]) -> str:
+    """``chosen`` None: vLLM or its version could not be read."""
+    if bad_input:
+        return "invalid-input"
+    if chosen is None or chosen.verdict == "unsupported":
+        return "unknown"
+    if not chosen.needed:
+        return "not-needed"
+    return "not-protected" if found_problems else "protected"
+
+
+def summary(status_: str, version: str | None, reason: str, found_problems: list[str]) -> str:
+    if status_ == "protected":
+        return f"{reason}; the fix will be applied"
+    if status_ == "not-needed":
+        return reason
+    if status_ == "invalid-input":
+        return found_problems[0]
+    if status_ == "not-protected":
+        return f"vLLM {version} needs the fix but it would not apply: {found_problems[0]}"
+    if version is None:
+        return "vLLM is not importable in this interpreter"
+    return reason
