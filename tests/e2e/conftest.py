@@ -6,7 +6,8 @@ Every engine runs in a separate process group under the progress watchdog of
 Engine starts per session (each ~30-60 s on 2 CPU cores, mostly Python imports):
 offline stock 1, offline patched 3 (patched+warm+other image, reference, no prefix cache),
 ``vllm serve`` stock 1 and patched 1, speculative decoding (MTP, ``test_speculative.py``) stock 1
-and patched 1, started once the offline runs are done.
+and patched 1, started once the offline runs are done; cache reuse (``test_cache_reuse.py``) 3 in
+one worker (unpinned, pinned, reference), also after the offline runs.
 """
 
 from __future__ import annotations
