@@ -48,6 +48,7 @@ def test_corrections_are_counted_and_logged_once_per_request_at_info(
     assert result.completed
 
     counts = stats()
+    assert counts.pop("block_size") == 1056  # the Mamba KV group's block the scheduler has
     lines = _corrections(plugin_log.records)
     per_action = Counter(COUNTER_OF_ACTION[action] for _, action, _ in lines)
     assert sum(counts.values()) > 0
