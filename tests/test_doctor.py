@@ -1073,3 +1073,54 @@ def test_doctor_modules_stay_small() -> None:
     assert {"cli.py", "verdict.py", "render.py", "checks/schedulers.py"} <= set(sizes)
     assert not (PACKAGE_DIR / "doctor.py").exists()
     assert max(sizes.values()) < 400, sizes
+
+
+# Another platform plugin assigns its own copy of the split onto the base class, as
+# vllm-ascend v0.21.0rc1's vllm_ascend/patch/platform/patch_scheduler.py does.
+STAND_IN_PLUGIN = """\
+from vllm.v1.core.sched.scheduler import Scheduler
+
+
+def _mamba_block_aligned_split(self, request, num_new_tokens, num_new_local_computed_tokens=0):
+    return 0
+
+
+Scheduler._mamba_block_aligned_split = _mamba_block_aligned_split
+
+
+class PlatformScheduler(Scheduler):
+    pass
+"""
+
+
+@pytest.mark.parametrize("order", ["after", "before"])
+def test_a_split_another_plugin_assigns_is_wrapped_in_either_order(
+    tmp_path: Path, order: str
+) -> None:
+    site = _fake_vllm(tmp_path / "site", "0.27.1")
+    (site / "stand_in_plugin.py").write_text(STAND_IN_PLUGIN)
+    if order == "before":  # assigned before the plugin patches (at interpreter start)
+        (site / "sitecustomize.py").write_text("import stand_in_plugin\n")
+    run = _run(
+        _doctor("--json", "--scheduler-cls", "stand_in_plugin.PlatformScheduler"),
+        {"PYTHONPATH": str(site)},
+    )
+    assert run.code == 0, run.out + run.err
+    data = run.json()
+    assert data["status"] == "protected"
+    assert data["dry_run"]["via"] == ("import hook" if order == "after" else "immediate")
+    by_class = {s["class"]: s for s in data["schedulers"]}
+    states = set()
+    for name in ("vllm.v1.core.sched.scheduler.Scheduler", "stand_in_plugin.PlatformScheduler"):
+        split = next(
+            m
+            for m in by_class[name]["record"]["methods"]
+            if m["name"] == "_mamba_block_aligned_split"
+        )
+        # Either way the split that runs is the plugin's wrapper around the stand-in's copy.
+        assert split["wraps"] == "stand_in_plugin._mamba_block_aligned_split"
+        assert by_class[name]["methods"]["_mamba_block_aligned_split"]["reached"] is True
+        states.add(split["state"])
+    # Assigned after the patch: the first class settled finds and wraps the replacement.
+    assert states == ({"wrapped-replacement", "wrapped"} if order == "after" else {"wrapped"})
+    assert data["dry_run"]["restored"] is True

@@ -116,18 +116,34 @@ def _overriding_subclasses(base: type) -> list[str]:
     return sorted(found)
 
 
-def _check_one(target: Target, base: type | None) -> ClassCheck:
+def _load(target: Target) -> type | str:
+    """The class, or why it cannot be loaded."""
     try:
-        cls = resolve_class(target.qualname)
+        return resolve_class(target.qualname)
     except LookupError as exc:
-        return ClassCheck(target, str(exc), False, None, {})
-    base = base or _base_or_none()
-    derives = base is not None and issubclass(cls, base)
-    # Only a Scheduler subclass is settled: the plugin must not wrap unrelated classes.
-    found = plugin.check_class(cls) if derives else None
-    resolves = {name: patch.resolves_to_wrapper(cls, name) for name in RULE_METHODS}
-    own = derives and defining_class(cls, "schedule") not in (None, base)
-    return ClassCheck(target, None, derives, found, resolves, own)
+        return str(exc)
+
+
+def _check_all(targets: list[Target]) -> list[ClassCheck]:
+    """Import every class first (an import may replace a base method, as another platform
+    plugin does), then settle each as the engine would, then verify what each resolves."""
+    loaded = [(target, _load(target)) for target in targets]
+    base = _base_or_none()
+    settled: list[tuple[Target, type | str, bool, ClassRecord | None]] = []
+    for target, cls in loaded:
+        derives = isinstance(cls, type) and base is not None and issubclass(cls, base)
+        # Only a Scheduler subclass is settled: the plugin must not wrap unrelated classes.
+        found = plugin.check_class(cls) if derives and isinstance(cls, type) else None
+        settled.append((target, cls, derives, found))
+    checks: list[ClassCheck] = []
+    for target, cls, derives, found in settled:
+        if not isinstance(cls, type):
+            checks.append(ClassCheck(target, cls, False, None, {}))
+            continue
+        resolves = {name: patch.resolves_to_wrapper(cls, name) for name in RULE_METHODS}
+        own = derives and defining_class(cls, "schedule") not in (None, base)
+        checks.append(ClassCheck(target, None, derives, found, resolves, own))
+    return checks
 
 
 def _base_state(base: type, settings: Settings, family: Family) -> BaseState:
@@ -190,9 +206,7 @@ def dry_run(
         already = base_now is not None and any(patch.is_wrapped(base_now, n) for n in _ALL_WRAPPED)
         plugin.register(settings)
         # Import the classes after register(), as vLLM does: exercises the import hook.
-        checks: list[ClassCheck] = []
-        for target in targets:
-            checks.append(_check_one(target, _base_or_none()))
+        checks = _check_all(targets)
         base = _base_or_none()
         base_record = next(
             (c.record for c in checks if c.target.qualname == BASE_SCHEDULER and c.record), None
