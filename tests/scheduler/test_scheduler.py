@@ -294,14 +294,16 @@ def test_extra_arguments_pass_through(family: Family, load_plugin: Any) -> None:
 def test_default_policy_and_log_line(family: Family, load_plugin: Any, vllm_log: list[str]) -> None:
     wrapped = load_plugin()
     assert wrapped == _affected(family)
+    harness.build_scheduler(sc.ISSUE_CONFIG)  # the per-class line comes when one is built
     text = "\n".join(vllm_log)
+    built = "active: vllm.v1.core.sched.scheduler.Scheduler carries "
     if _affected(family):
-        assert "active" in text and family.name in text
+        assert f"{built}split [" in text and f"family {family.name}," in text, text
     else:
         # The split stays vLLM's; other rules may be active (the speculative-stall
         # rule on 0.28-0.32), or nothing is ("not needed").
-        assert "patched Scheduler._mamba_block_aligned_split" not in text, text
-        assert "not needed" in text or "active: patched Scheduler._try_schedule" in text, text
+        assert f"{built}split [" not in text, text
+        assert "not needed" in text or f"{built}speculative-stall" in text, text
 
 
 @EVERY
