@@ -7,7 +7,7 @@ can be tested exhaustively without a scheduler.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import NamedTuple
 
 
@@ -24,7 +24,8 @@ class Action(enum.Enum):
     # ends it at that input, saving a step.
     STOPPED_AT_ENCODER_INPUT = "stopped-at-encoder-input"
     # EAGLE-type speculation parked the request at an encoder input it holds
-    # itself (shifted cut, deferred free); ended the 0.33 way.
+    # itself (shifted cut, deferred free), or at two it must encode within the
+    # shift (a warm repeat); ended the 0.33 way.
     SPECULATIVE_STALL_RELEASED = "speculative-stall-released"
 
 
@@ -131,3 +132,32 @@ def speculative_stall_release(
     if not any(end <= computed + shift for end in ends.values()):
         return StallRelease(False, ())
     return StallRelease(True, tuple(sorted(i for i, end in ends.items() if end <= computed)))
+
+
+def unshifted_cut_needed(
+    computed: int,
+    shift: int,
+    inputs: Mapping[int, tuple[int, int]],
+    held: Collection[int],
+) -> bool:
+    """Whether a request that got 0 tokens at ``computed`` needs 0.33's unshifted cut.
+
+    ``inputs`` maps the ids of all the request's encoder inputs to their
+    placeholder ``(offset, length)``; ``held`` are the ids it has in the encoder
+    cache; ``shift`` is as in :func:`speculative_stall_release`.
+
+    vLLM 0.15-0.32 budget the inputs up to ``shift`` tokens past the chunk and
+    cut the chunk ``shift`` tokens before the first one that does not fit. When
+    two inputs that are not cached lie within ``computed + shift``, the second
+    starts after ``computed`` and, if the cache cannot hold both, the cut is 0
+    on every step, with nothing held. A warm repeat lands there: a prefix hit
+    one token before the end of an evicted image, the next image right after it.
+    Without the shift the cut is the tokens up to that second input, at least 1.
+    """
+    if shift <= 0:
+        return False
+    reached = 0
+    for input_id, (offset, length) in inputs.items():
+        if input_id not in held and offset <= computed + shift and offset + length > computed:
+            reached += 1
+    return reached >= 2

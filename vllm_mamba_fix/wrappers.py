@@ -33,6 +33,7 @@ from vllm_mamba_fix.decision import (
     in_prefill_by_position,
     speculative_stall_release,
     tokens_to_next_boundary,
+    unshifted_cut_needed,
 )
 from vllm_mamba_fix.scope import ScopePolicy
 from vllm_mamba_fix.stalls import (
@@ -370,7 +371,19 @@ def make_encoder_wrapper(
         release = speculative_stall_release(num_computed_tokens, shift_computed_tokens, held)
         # The second 0 at the same position: a one-step defer (async's lagging
         # free) has cleared by then, a stall has not.
-        if options.release_speculative_stalls and release.stalled and streak.steps >= REPEATED:
+        repeated = streak.steps >= REPEATED
+        # Or two uncached inputs within the shift (a warm repeat's prefix hit);
+        # looked for only once the 0 repeats.
+        unshifted = (
+            repeated
+            and not release.stalled
+            and unshifted_cut_needed(
+                num_computed_tokens, shift_computed_tokens,
+                {i: _placeholder(request, i) for i in range(len(request.mm_features))}, held,
+            )
+        )  # fmt: skip
+        stalled = release.stalled or unshifted
+        if options.release_speculative_stalls and stalled and repeated:
             for input_id in release.to_free:
                 _free_encoder_input(self, request, input_id)
             retry = original(
@@ -388,7 +401,7 @@ def make_encoder_wrapper(
             streak.warned = True
             counters.record_stall()
             report = _stall_report(
-                self, request, num_computed_tokens, held, release.stalled, streak.steps,
+                self, request, num_computed_tokens, held, stalled, streak.steps,
                 now - streak.since,
             )  # fmt: skip
             logger.warning("vllm-mamba-fix: %s", report.message())
