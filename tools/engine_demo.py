@@ -33,6 +33,7 @@ from typing import Any, TypedDict
 
 from tools.procs import kill_group
 from tools.tiny_model import build, demo_images, image_prompt, shim_env
+from tools.tiny_videos import demo_videos, video_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 RESULT_TAG = "DEMO-RESULT "
@@ -85,6 +86,8 @@ class RequestSpec(TypedDict, total=False):
     (default: ``tools.tiny_model.image_prompt``'s)."""
 
     images: list[int]
+    # Video indices into tools.tiny_videos.demo_videos(): placeholders after the images.
+    videos: list[int]
     text: str
 
 
@@ -320,15 +323,23 @@ def _worker(spec_path: str) -> int:
         for index, request in enumerate(requests[phase["name"]]):
             image_ids = request["images"]
             prompt_text = image_prompt(len(image_ids), request.get("text"))
+            video_ids = request.get("videos", [])
+            if video_ids:
+                text = request.get("text")
+                prompt_text = image_prompt(len(image_ids), "") + video_prompt(len(video_ids), text)
             prompt: dict[str, Any] = {"prompt": prompt_text}
             if image_ids:
                 prompt["multi_modal_data"] = {"image": [images[i] for i in image_ids]}
+            if video_ids:
+                clips = demo_videos(n=max(video_ids) + 1)
+                prompt.setdefault("multi_modal_data", {})["video"] = [clips[i] for i in video_ids]
             t0 = time.monotonic()
             (out,) = llm.generate(prompt, params, use_tqdm=False)
             result = {
                 "phase": phase["name"],
                 "index": index,
                 "images": image_ids,
+                "videos": video_ids,
                 "prompt_text": prompt_text,
                 "token_ids": list(out.outputs[0].token_ids),
                 "text": out.outputs[0].text,
