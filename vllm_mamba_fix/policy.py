@@ -70,7 +70,16 @@ def _split_verdict(force: bool, family: Family, evidence: Evidence) -> RuleVerdi
     if evidence.split_after_encoder is not None:
         by_version = family.verdict is Verdict.PATCH
         if evidence.split_after_encoder:
-            note = "" if by_version else "; the version alone would have left it (a pre-fix build)"
+            own = evidence.schedule_owner != "Scheduler"
+            note = (
+                ""
+                if by_version
+                else (
+                    f"; on this release only a scheduler with its own schedule() needs it"
+                    if own
+                    else "; the version alone would have left it (a pre-fix build)"
+                )
+            )
             return RuleVerdict(
                 Rule.SPLIT, True, "code",
                 f"{evidence.schedule_owner}.schedule budgets encoder inputs before the split, so "

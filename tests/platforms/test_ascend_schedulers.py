@@ -125,15 +125,6 @@ def test_recompute_schedulers_are_checked_when_built(ascend: dict[str, Any], nam
     assert (split["state"], split["wraps"]) == ("wrapped", BASE_SPLIT), split
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "plugin bug (reported to the lead): when ascend's patch_balance_schedule has already "
-        "rebound vllm.v1.core.sched.scheduler.Scheduler, plugin._patch_scheduler takes "
-        "BalanceScheduler as the base and installs nothing ('not patching: "
-        "BalanceScheduler._mamba_block_aligned_split does not exist')"
-    ),
-)
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_ascend_loaded_first_completes(ascend: dict[str, Any], name: str) -> None:
     case = ascend["ascend_first"][name]
