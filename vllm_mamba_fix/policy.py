@@ -75,7 +75,7 @@ def _split_verdict(force: bool, family: Family, evidence: Evidence) -> RuleVerdi
                 ""
                 if by_version
                 else (
-                    f"; on this release only a scheduler with its own schedule() needs it"
+                    "; on this release only a scheduler with its own schedule() needs it"
                     if own
                     else "; the version alone would have left it (a pre-fix build)"
                 )
