@@ -387,7 +387,7 @@ def micro_bench(repeats: int, target_ns: int) -> dict[str, Any]:
     """Per-call time through the bound method, each arm against the original, interleaved."""
     from tools.scenarios import ISSUE_CONFIG
     from tools.sched_harness import Harness
-    from vllm_mamba_fix import counters, targets
+    from vllm_mamba_fix import counters
 
     cls = _scheduler_class()
     installed = {name: methods(name) for name in (METHOD, ENCODER_METHOD)}

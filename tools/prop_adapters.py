@@ -152,7 +152,7 @@ def drive(
     scenario: PropScenario, *, max_steps: int, stall_steps: int = 30, mode: Mode = SYNC
 ) -> Trace:
     """Submit the requests at their steps and step until all finished or stalled."""
-    from vllm_mamba_fix import counters, patch, wrappers
+    from vllm_mamba_fix import counters
 
     h = harness.Harness(scenario.config(mode))
     corrections: list[tuple[int, str, str]] = []

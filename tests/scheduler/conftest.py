@@ -98,7 +98,9 @@ def wrapped_without_realign(family: Family) -> Iterator[None]:
     from vllm_mamba_fix.scope import ScopePolicy
 
     assert family.prefill_gate is not None
-    options = wrappers.WrapOptions(family.prefill_gate, ScopePolicy(Scope.MULTIMODAL), realign=False)
+    options = wrappers.WrapOptions(
+        family.prefill_gate, ScopePolicy(Scope.MULTIMODAL), realign=False
+    )
     patch.wrap(Scheduler, options)
     try:
         yield
