@@ -187,3 +187,23 @@ def test_raising_scope_hook_falls_back_to_builtin(
     assert len(hook_warnings) == 1 and "RuntimeError" in hook_warnings[0]
     assert len(logs.warnings) == 1, logs.warnings
     assert not [r for r in logs.records if r.levelno >= logging.ERROR]
+
+
+def test_scope_all_text_streak_ends_when_the_request_moves(
+    fake_vllm: FakeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A text request's one-step defer is remembered only until it gets tokens again."""
+    from vllm_mamba_fix.stalls import tracked_requests
+
+    monkeypatch.setenv("VLLM_MAMBA_FIX_SCOPE", "all")
+    scheduler = fake_vllm(scheduler=RAISING_SCHEDULER).import_scheduler()
+    register()
+    instance = scheduler(BLOCK)
+    text = FakeRequest("text", num_computed_tokens=BLOCK, has_encoder_inputs=False)
+    # Sub-block: stock floors it to 0; the first 0 at a position is a defer, left stock.
+    assert instance._mamba_block_aligned_split(text, BLOCK // 2) == 0
+    assert tracked_requests() == {"text"}
+    assert instance._mamba_block_aligned_split(text, 2 * BLOCK) == 2 * BLOCK  # it moves
+    assert tracked_requests() == set()
+    # So a later first 0 at the same position is a defer again, not a correction.
+    assert instance._mamba_block_aligned_split(text, BLOCK // 2) == 0
