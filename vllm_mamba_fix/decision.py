@@ -1,7 +1,17 @@
-"""The correction rule, as a pure function of plain integers.
+"""The correction rules, as pure functions of plain integers.
 
-No vLLM import here: everything the rule needs is passed in as numbers, so it
+No vLLM import here: everything a rule needs is passed in as numbers, so it
 can be tested exhaustively without a scheduler.
+
+- :func:`decide` (the split rule): through 0.27.1 vLLM budgets encoder inputs
+  before the Mamba split, so a chunk cut short before an image is floored to 0
+  and the request never moves. Upstream moved the split first in 0.28.0
+  (vLLM #51603); the rule is needed there only under a scheduler whose own
+  ``schedule()`` keeps the old order. Blocks are the cache's (:mod:`.blocks`).
+- :func:`speculative_stall_release` and the unshifted cut (the speculative-stall
+  rule): from 0.24.0 vLLM frees an encoder input only past the drafter's
+  look-ahead (vLLM #46315) and cuts before an input by that shift; 0.33.0 does
+  neither, so the rule stops being needed there.
 """
 
 from __future__ import annotations
