@@ -3,6 +3,13 @@
     python examples/openai_two_images_stream.py --model tiny                 # CPU tiny model
     python examples/openai_two_images_stream.py --model Qwen/Qwen3.5-35B-A3B \\
         --image-size 1536 a.png b.png                                       # real model
+    python examples/openai_two_images_stream.py --model tiny --videos        # two videos
+    python examples/openai_two_images_stream.py --model tiny --videos a.mp4 b.mp4
+
+``--videos`` sends two ``video_url`` parts instead: the given files, or two random-noise mp4s of
+``--video-frames`` frames of ``--video-size`` pixels at 2 fps, encoded with OpenCV (the server
+decodes them with OpenCV too; ``pip install opencv-python-headless``). The server must allow
+them (``--limit-mm-per-prompt '{"video": 2}'``, as examples/serve_tiny_cpu.sh does).
 
 Without image paths, two different random-noise images of ``--image-size`` pixels are sent as
 PNG data URLs. Prints the streamed text, time to first token and total time. On stock vLLM
@@ -41,6 +48,34 @@ def load_images(paths: list[str], size: int) -> list[str]:
     ]
 
 
+def video_data_url(path: Path) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def load_videos(paths: list[str], size: int, frames: int) -> list[str]:
+    """Data URLs of the given videos, or of two random-noise mp4s written with OpenCV."""
+    if paths:
+        return [video_data_url(Path(p)) for p in paths]
+    import tempfile
+
+    import cv2
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    urls = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(2):
+            path = Path(tmp) / f"noise{i}.mp4"
+            writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 2.0, (size, size))
+            if not writer.isOpened():
+                raise SystemExit("OpenCV cannot write mp4 here; pass two video files instead")
+            for _ in range(frames):
+                writer.write(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+            writer.release()
+            urls.append(video_data_url(path))
+    return urls
+
+
 def health(base_url: str) -> int:
     try:
         with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=5) as resp:
@@ -51,7 +86,13 @@ def health(base_url: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("images", nargs="*", help="two image files (default: random noise)")
+    parser.add_argument(
+        "images", nargs="*", help="two image (or, with --videos, video) files (default: noise)"
+    )
+    parser.add_argument("--videos", action="store_true", help="send two videos, not images")
+    # 8 frames of 256 x 256: 256 encoder tokens per video on the tiny model, one per cache.
+    parser.add_argument("--video-frames", type=int, default=8)
+    parser.add_argument("--video-size", type=int, default=256)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--image-size", type=int, default=512)
@@ -61,9 +102,14 @@ def main() -> int:
 
     from openai import APITimeoutError, OpenAI
 
-    urls = load_images(args.images, args.image_size)
-    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-    content.append({"type": "text", "text": "Describe both images."})
+    if args.videos:
+        urls = load_videos(args.images, args.video_size, args.video_frames)
+        content = [{"type": "video_url", "video_url": {"url": u}} for u in urls]
+        content.append({"type": "text", "text": "Describe both videos."})
+    else:
+        urls = load_images(args.images, args.image_size)
+        content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        content.append({"type": "text", "text": "Describe both images."})
     # No retries: a stalled request would otherwise be sent again and waited for again.
     client = OpenAI(
         base_url=args.base_url.rstrip("/") + "/v1",

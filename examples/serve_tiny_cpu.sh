@@ -5,9 +5,13 @@
 #   ./examples/serve_tiny_cpu.sh                    # plugin on: two-image requests complete
 #   VLLM_MAMBA_FIX=0 ./examples/serve_tiny_cpu.sh   # stock: the two-image request never ends
 #   python examples/openai_two_images_stream.py --model tiny     # in another shell
+#   python examples/openai_two_images_stream.py --model tiny --videos   # two videos instead
 #
 # Budget 384 makes the encoder cache hold one 256-token image; the align block is 256. The chat
 # template puts the images at [7,263) and [265,521), so stock vLLM parks at position 256.
+# Videos (256 encoder tokens each, decoded by OpenCV) hang stock the same way. A model dir
+# built before videos (tools/tiny_model.py recipe < 4) has no video in its chat template:
+# rebuild it with `python -m tools.tiny_model --force "$MODEL_DIR"`.
 # PYTHONPATH=tools/test_site applies the test-only torchvision shim (see tools/tiny_model.py).
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -30,7 +34,7 @@ exec vllm serve "$MODEL_DIR" \
   --max-num-batched-tokens 384 \
   --block-size 256 \
   --max-model-len 1024 \
-  --limit-mm-per-prompt '{"image": 2, "video": 0}' \
+  --limit-mm-per-prompt '{"image": 2, "video": 2}' \
   --mm-processor-cache-gb 0 \
   --enforce-eager \
   --kv-cache-memory-bytes 134217728 \

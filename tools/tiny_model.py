@@ -74,13 +74,13 @@ VOCAB_SIZE = 320  # 256 bytes + 14 specials, padded up (vLLM pads the LM head an
 IMAGE_SIZE = 512  # 512x512 -> (512/16/2)^2 = 256 tokens
 TOKENS_PER_IMAGE = 256
 SHIM_DIR = Path(__file__).resolve().parent / "test_site"
-BUILD_VERSION = "3"  # bump when the recipe changes, so cached dirs get rebuilt
+BUILD_VERSION = "4"  # bump when the recipe changes, so cached dirs get rebuilt (4: videos)
 # Seed 1: in float32 the greedy path of the two-image demo request keeps a top-1 margin of >= 3%
 # of the largest logit over 16 tokens (seeds 0-7 checked), so bf16 differences between
 # chunkings do not flip it, and a different second image changes the output.
 DEFAULT_SEED = 1
 
-# Qwen3-VL style template, reduced to what the tests need: text and image parts.
+# Qwen3-VL style template, reduced to what the tests need: text, image and video parts.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "<|im_start|>{{ message['role'] + '\\n' }}"
@@ -88,6 +88,8 @@ CHAT_TEMPLATE = (
     "{%- else -%}{%- for item in message['content'] -%}"
     "{%- if item['type'] == 'image' or item['type'] == 'image_url' or 'image' in item -%}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif item['type'] == 'video' or item['type'] == 'video_url' or 'video' in item -%}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{%- elif item['type'] == 'text' -%}{{ item['text'] }}"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{{ '<|im_end|>\\n' }}"
