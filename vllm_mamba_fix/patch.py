@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_mamba_fix.encoder_wrapper import EncoderOptions, make_encoder_wrapper
 from vllm_mamba_fix.evidence import defining_class
 from vllm_mamba_fix.record import MethodRecord, MethodState
 from vllm_mamba_fix.targets import (
@@ -33,9 +34,7 @@ from vllm_mamba_fix.targets import (
     shape_problem,
 )
 from vllm_mamba_fix.wrappers import (
-    EncoderOptions,
     WrapOptions,
-    make_encoder_wrapper,
     make_free_request_wrapper,
     make_init_wrapper,
     make_wrapper,

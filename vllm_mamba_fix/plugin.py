@@ -23,6 +23,7 @@ from vllm_mamba_fix import __version__, counters, import_hook, patch, record
 from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.blocks import BlockUnit, forget_warnings, set_block_unit, unit_of_scheduler
 from vllm_mamba_fix.config import Settings, load_settings
+from vllm_mamba_fix.encoder_wrapper import EncoderOptions
 from vllm_mamba_fix.evidence import read_evidence
 from vllm_mamba_fix.policy import Plan, Preflight, Rule, plan, preflight
 from vllm_mamba_fix.record import ClassRecord, MethodState
@@ -36,7 +37,7 @@ from vllm_mamba_fix.targets import (
     SPLIT_METHOD,
 )
 from vllm_mamba_fix.versions import Family, PrefillGate, family_for
-from vllm_mamba_fix.wrappers import EncoderOptions, WrapOptions
+from vllm_mamba_fix.wrappers import WrapOptions
 
 _lock = threading.RLock()
 _said: set[str] = set()  # lines logged once per process

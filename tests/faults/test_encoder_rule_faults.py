@@ -24,7 +24,7 @@ from tests.faults.conftest import (
     FakeVllm,
     LogCapture,
 )
-from vllm_mamba_fix import patch, register, targets, wrappers
+from vllm_mamba_fix import encoder_wrapper, patch, register, targets
 from vllm_mamba_fix.scope import ScopePolicy
 
 FakeFactory = Callable[..., FakeVllm]
@@ -97,7 +97,7 @@ def test_vllms_own_error_in_the_encoder_method_propagates(fake_vllm: FakeFactory
     patch.undo(scheduler)
     setattr(scheduler, ENCODER, boom)
     try:
-        options = wrappers.EncoderOptions(
+        options = encoder_wrapper.EncoderOptions(
             ScopePolicy(vllm_mamba_fix.config.Scope.MULTIMODAL), True, 0.0
         )
         patch.wrap_encoder(scheduler, options)

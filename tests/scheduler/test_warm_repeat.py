@@ -10,7 +10,7 @@ window (0.15-0.32) also reaches image 2, which the cache cannot hold beside it:
 as 0.33 does.
 
 The exact repeat hits 256 where vLLM backs the last cacheable position off a
-block under MTP (0.27.1, 0.28). Where it does not (0.25.1) the repeat hits 512,
+block under MTP (0.27.1, 0.28.0, 0.32.0). Where it does not (0.25.1) it hits 512,
 past both images, and a second request with the same first image and another
 second one ("other") hits 256 instead. Each test skips the variant whose hit
 is elsewhere.
@@ -95,8 +95,8 @@ def _cold_then(mode: Mode, second: str, between: Any = None) -> tuple[RunResult,
         pytest.skip(
             f"vLLM {harness.vllm_version()}: the {second} request's prefix hit is {hit}, not "
             f"image 1's last token {BLOCK}. The repeat hits there where vLLM backs the last "
-            "cacheable position off a block under MTP (0.27.1, 0.28), the other second image "
-            "where it does not (0.25.1)"
+            "cacheable position off a block under MTP (measured: 0.27.1, 0.28.0, 0.32.0), the "
+            "other second image where it does not (measured: 0.25.1)"
         )
     h.requests["warm"] = request
     h.chunks["warm"] = []
@@ -149,14 +149,14 @@ def test_watchdog_names_it_where_no_rule_ends_it(
         pytest.skip("0.33+: no shifted encoder window, no stall")
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix import patch, wrappers
+    from vllm_mamba_fix import encoder_wrapper, patch
     from vllm_mamba_fix.config import Scope
     from vllm_mamba_fix.scope import ScopePolicy
 
     def rule_off() -> None:
         harness.unload_plugin()
         policy = ScopePolicy(Scope.MULTIMODAL)
-        patch.wrap_encoder(Scheduler, wrappers.EncoderOptions(policy, False, 0.0))
+        patch.wrap_encoder(Scheduler, encoder_wrapper.EncoderOptions(policy, False, 0.0))
 
     load_plugin()
     try:
