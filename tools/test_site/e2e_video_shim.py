@@ -27,11 +27,16 @@ from __future__ import annotations
 import enum
 import importlib
 import importlib.util
+import os
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 from e2e_post_import import when_imported
+
+# Test switch: which parts to install, comma-separated ("tvf", "text"; default both), so a test
+# can show each gap open without its part.
+PARTS_ENV = "VLLM_E2E_VIDEO_SHIM_PARTS"
 
 # Modules that use the module-level name ``tvF`` on the video path.
 TVF_USERS = (
@@ -206,9 +211,12 @@ def install() -> bool:
         return True
     if not torchvision_missing():
         return False
-    for name in TVF_USERS:
-        when_imported(name, _bind_tvf)
-    when_imported(IMAGE_UTILS, _fill_interpolation_maps)
-    when_imported(QWEN3_VL_PROCESSING, _allow_text_without_videos)
+    parts = {p.strip() for p in os.environ.get(PARTS_ENV, "tvf,text").split(",")}
+    if "tvf" in parts:
+        for name in TVF_USERS:
+            when_imported(name, _bind_tvf)
+        when_imported(IMAGE_UTILS, _fill_interpolation_maps)
+    if "text" in parts:
+        when_imported(QWEN3_VL_PROCESSING, _allow_text_without_videos)
     _installed = True
     return True
