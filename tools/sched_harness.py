@@ -837,7 +837,8 @@ def qwen3vl_timestamps(frames: int, fps: float) -> list[float]:
     calculate = getattr(_qwen3_vl_module(), "Qwen3VLProcessingInfo", None)
     calculate = getattr(calculate, "_calculate_timestamps", None)
     if calculate is not None:
-        return list(calculate(None, indices, fps, QWEN3VL_TEMPORAL_PATCH))
+        with contextlib.suppress(TypeError, AttributeError):  # another release's signature
+            return list(calculate(None, indices, fps, QWEN3VL_TEMPORAL_PATCH))
     times = [i / fps for i in indices]
     return [(times[i] + times[i + 1]) / 2 for i in range(0, len(times), 2)]
 
@@ -856,11 +857,16 @@ def _upstream_get_video_repl() -> Callable[..., Any] | None:
     return getattr(processor, "get_video_repl", None)
 
 
+_UPSTREAM_LAYOUT = "vLLM's Qwen3VLMultiModalProcessor.get_video_repl"
+_MIRRORED_LAYOUT = "the harness's copy of 0.27.1's get_video_repl (not callable in this release)"
+_LAYOUT_USED: list[bool] = [False]  # whether the last video_tokens call used vLLM's code
+
+
 def video_layout_source() -> str:
     """Which code lays out the harness's videos on this release."""
-    if _upstream_get_video_repl() is not None:
-        return "vLLM's Qwen3VLMultiModalProcessor.get_video_repl"
-    return "the harness's copy of 0.27.1's get_video_repl (not in this release)"
+    video_tokens.cache_clear()
+    video_tokens(1, 1)
+    return _UPSTREAM_LAYOUT if _LAYOUT_USED[-1] else _MIRRORED_LAYOUT
 
 
 @functools.lru_cache(maxsize=256)
@@ -885,19 +891,24 @@ def video_tokens(
     tokenizer = ByteTokenizer()
     ids = token_ids
     get_video_repl = _upstream_get_video_repl()
+    details = None
     if get_video_repl is not None:
-        details = get_video_repl(
-            tokens_per_frame=per_frame,
-            timestamps=timestamps,
-            tokenizer=tokenizer,
-            vision_start_token_id=ids[0],
-            vision_end_token_id=ids[1],
-            video_token_id=ids[2],
-            select_token_id=select_pads,
-        )
+        with contextlib.suppress(TypeError):  # another release's signature: mirror below
+            details = get_video_repl(
+                tokens_per_frame=per_frame,
+                timestamps=timestamps,
+                tokenizer=tokenizer,
+                vision_start_token_id=ids[0],
+                vision_end_token_id=ids[1],
+                video_token_id=ids[2],
+                select_token_id=select_pads,
+            )
+    if details is not None and hasattr(details, "full"):
+        _LAYOUT_USED[-1] = True
         full = [int(t) for t in details.full]
         mask = None if details.is_embed is None else details.is_embed(None, full).tolist()
         return tuple(full), None if mask is None else tuple(bool(m) for m in mask)
+    _LAYOUT_USED[-1] = False
     # Mirrors Qwen3VLMultiModalProcessor.get_video_repl (vLLM 0.27.1).
     full = []
     for timestamp, pads in zip(timestamps, per_frame, strict=True):
