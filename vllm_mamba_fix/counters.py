@@ -66,14 +66,23 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
             _logged_requests[request_id] = None
             if len(_logged_requests) > _MAX_REMEMBERED_REQUESTS:
                 _logged_requests.popitem(last=False)
-    log = logger.info if first else logger.debug
-    log(
-        "vllm-mamba-fix: %s for request %s at token %d: scheduling %d tokens (block size %d)",
-        action.value,
-        request_id,
-        start,
-        num_tokens,
-        block_size,
+        totals = _totals_text()
+    line = "vllm-mamba-fix: %s for request %s at token %d: scheduling %d tokens (block size %d)"
+    if first:
+        # The running totals ride on the line logged once per request: the shutdown summary
+        # is lost where the engine core is killed (vllm serve's default --shutdown-timeout 0).
+        logger.info(line + "; %s", action.value, request_id, start, num_tokens, block_size, totals)
+    else:
+        logger.debug(line, action.value, request_id, start, num_tokens, block_size)
+
+
+def _totals_text() -> str:
+    return (
+        f"this process so far: {_counts[Action.COLLAPSE_PREVENTED]} collapses prevented, "
+        f"{_counts[Action.REALIGNED]} re-aligned, "
+        f"{_counts[Action.STOPPED_AT_ENCODER_INPUT]} stopped at an encoder input, "
+        f"{_counts[Action.SPECULATIVE_STALL_RELEASED]} speculative stalls released, "
+        f"{_stalls['detected']} stalls named"
     )
 
 

@@ -64,7 +64,10 @@ def test_corrections_are_counted_and_logged_once_per_request_at_info(
         if r.name == "vllm.mamba_fix" and "scheduling" in r.getMessage()
     ]
     assert len(messages) == len(lines)
-    assert all(m.endswith("(block size 1056)") for m in messages)
+    assert all("(block size 1056)" in m for m in messages)
+    info = [r.getMessage() for r in plugin_log.records if r.levelno == logging.INFO]
+    totals = [m for m in info if "scheduling" in m and "this process so far: " in m]
+    assert len(totals) == len(info_ids)  # the running totals ride on each first line
 
 
 def test_third_party_scope_rule_is_honoured(
