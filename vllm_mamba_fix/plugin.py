@@ -130,11 +130,9 @@ def _rule_options(decided: Plan, settings: Settings, family: Family, policy: Sco
     return patch.RuleOptions(split, encoder)
 
 
-def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, Any]:
-    settings = installed.settings
+def _plan_for(cls: type, settings: Settings, family: Family) -> tuple[Plan, Any]:
     evidence = read_evidence(cls)
-    decided = plan(settings.mode, installed.family, evidence, settings.stall_seconds)
-    return decided, evidence
+    return plan(settings.mode, family, evidence, settings.stall_seconds), evidence
 
 
 def _defined_scheduler(module: ModuleType) -> Any:
@@ -172,7 +170,7 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                 return
             policy = ScopePolicy(settings.scope)
             policy.load()  # here, not in the first scheduling step that needs it
-            decided, _ = _plan_for(base, _Installed(base, settings, family, version, policy))
+            decided, _ = _plan_for(base, settings, family)
             options = _rule_options(decided, settings, family, policy)
             wrapped, problems = patch.install_on_base(base, options, _on_scheduler_built)
             installed = _Installed(base, settings, family, version, policy, frozenset(problems))
@@ -188,7 +186,7 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                 "vllm-mamba-fix %s installed on %s (%s); each scheduler vLLM builds is checked",
                 __version__,
                 base.__qualname__,
-                ", ".join(wrapped) or "nothing",
+                ", ".join(wrapped),
             )
             if INIT_METHOD not in wrapped:
                 check_class(base)  # no per-construction check: report the base now
@@ -225,13 +223,13 @@ def check_class(cls: type, unit: BlockUnit | None = None) -> ClassRecord | None:
         installed = _installed
         if installed is None:
             return None
-        decided, evidence = _plan_for(cls, installed)
+        decided, evidence = _plan_for(cls, installed.settings, installed.family)
         options = _rule_options(decided, installed.settings, installed.family, installed.policy)
         owner_options: dict[type, Any] = {cls: options}
 
         def options_of(owner: type) -> Any:
             if owner not in owner_options:
-                owner_plan, _ = _plan_for(owner, installed)
+                owner_plan, _ = _plan_for(owner, installed.settings, installed.family)
                 owner_options[owner] = _rule_options(
                     owner_plan, installed.settings, installed.family, installed.policy
                 )
