@@ -173,15 +173,12 @@ def settle_method(
         return MethodRecord(name, MethodState.UNPATCHABLE, owner_name, note=note)
     target = owner if owner_needs(owner) else cls
     _set(target, name, _wrap(name, function, options))
+    state, note = MethodState.WRAPPED, ""
     if replaced:
-        state, note = (
-            MethodState.WRAPPED_REPLACEMENT,
-            (f"{function.__module__} replaced the plugin's wrapper; wrapped the replacement"),
-        )
+        state = MethodState.WRAPPED_REPLACEMENT
+        note = f"{function.__module__} replaced the plugin's wrapper; wrapped the replacement"
     elif target is not owner:
-        state, note = MethodState.WRAPPED, f"installed on {cls.__qualname__} only"
-    else:
-        state, note = MethodState.WRAPPED, ""
+        note = f"installed on {cls.__qualname__} only"
     return MethodRecord(name, state, _qualname(target), describe_function(function), note)
 
 
