@@ -869,6 +869,36 @@ def video_layout_source() -> str:
     return _UPSTREAM_LAYOUT if _LAYOUT_USED[-1] else _MIRRORED_LAYOUT
 
 
+def _upstream_video_tokens(
+    per_frame: list[int],
+    timestamps: list[float],
+    tokenizer: ByteTokenizer,
+    ids: tuple[int, int, int],
+    select_pads: bool,
+) -> tuple[tuple[int, ...], tuple[bool, ...] | None] | None:
+    """`video_tokens` by this release's `get_video_repl`; None where it has none."""
+    get_video_repl = _upstream_get_video_repl()
+    if get_video_repl is None:
+        return None
+    details = get_video_repl(
+        tokens_per_frame=per_frame,
+        timestamps=timestamps,
+        tokenizer=tokenizer,
+        vision_start_token_id=ids[0],
+        vision_end_token_id=ids[1],
+        video_token_id=ids[2],
+        select_token_id=select_pads,
+    )
+    full = [int(t) for t in details.full]
+    is_embed = details.is_embed
+    if is_embed is None:
+        return tuple(full), None
+    # (tokenizer, full) on 0.27; (full) on 0.32.
+    arity = len(inspect.signature(is_embed).parameters)
+    mask = (is_embed(None, full) if arity == 2 else is_embed(full)).tolist()
+    return tuple(full), tuple(bool(m) for m in mask)
+
+
 @functools.lru_cache(maxsize=256)
 def video_tokens(
     frames: int,
@@ -890,24 +920,13 @@ def video_tokens(
     per_frame = [tokens_per_frame] * frames
     tokenizer = ByteTokenizer()
     ids = token_ids
-    get_video_repl = _upstream_get_video_repl()
-    details = None
-    if get_video_repl is not None:
-        with contextlib.suppress(TypeError):  # another release's signature: mirror below
-            details = get_video_repl(
-                tokens_per_frame=per_frame,
-                timestamps=timestamps,
-                tokenizer=tokenizer,
-                vision_start_token_id=ids[0],
-                vision_end_token_id=ids[1],
-                video_token_id=ids[2],
-                select_token_id=select_pads,
-            )
-    if details is not None and hasattr(details, "full"):
+    try:
+        upstream = _upstream_video_tokens(per_frame, timestamps, tokenizer, ids, select_pads)
+    except Exception:  # a release whose code differs here: the mirror below, and say so
+        upstream = None
+    if upstream is not None:
         _LAYOUT_USED[-1] = True
-        full = [int(t) for t in details.full]
-        mask = None if details.is_embed is None else details.is_embed(None, full).tolist()
-        return tuple(full), None if mask is None else tuple(bool(m) for m in mask)
+        return upstream
     _LAYOUT_USED[-1] = False
     # Mirrors Qwen3VLMultiModalProcessor.get_video_repl (vLLM 0.27.1).
     full = []
