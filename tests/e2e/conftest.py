@@ -5,9 +5,11 @@ Every engine runs in a separate process group under the progress watchdog of
 
 Engine starts per session (each ~30-60 s on 2 CPU cores, mostly Python imports):
 offline stock 1, offline patched 3 (patched+warm+other image, reference, no prefix cache),
-``vllm serve`` stock 1 and patched 1, speculative decoding (MTP, ``test_speculative.py``) stock 1
-and patched 1, started once the offline runs are done; cache reuse (``test_cache_reuse.py``) 3 in
-one worker (unpinned, pinned, reference), also after the offline runs.
+``vllm serve`` stock 1 and patched 1, speculative decoding (MTP, ``test_speculative.py``) stock 2
+(block boundary, gap 0), patched 1 and a non-speculative reference 1, started once the offline
+runs are done; cache reuse (``test_cache_reuse.py``) 3 in one worker (unpinned, pinned,
+reference), also after the offline runs; videos (``test_videos.py``) 3 (stock, plugin,
+reference); the serve load test (``test_serve_load.py``) 1 server.
 """
 
 from __future__ import annotations
