@@ -26,14 +26,21 @@ from pathlib import Path
 from typing import Any
 
 from tools import sched_harness as harness
-from tools.sched_harness import SYNC, HarnessConfig, Mode, RequestSpec, VideoSpec
+from tools.sched_harness import (
+    SYNC,
+    HarnessConfig,
+    Mode,
+    MultimodalPlaceholders,
+    RequestSpec,
+    VideoSpec,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN_ENV = ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS")
 
 
 @dataclass(frozen=True)
-class PropRequest:
+class PropRequest(MultimodalPlaceholders):
     """One request of a generated scenario.
 
     ``content`` names the prompt: two requests with the same content have the
@@ -55,15 +62,6 @@ class PropRequest:
     @property
     def key(self) -> str:
         return self.content or self.request_id
-
-    @property
-    def mm_spans(self) -> tuple[tuple[int, int], ...]:
-        """(offset, length) of every image and video placeholder, in prompt order."""
-        return tuple(sorted([*self.images, *(v.span for v in self.videos)]))
-
-    @property
-    def has_mm(self) -> bool:
-        return bool(self.images or self.videos)
 
 
 @dataclass(frozen=True)

@@ -952,17 +952,11 @@ def video_layout(
     return pos, tuple(videos)
 
 
-@dataclass(frozen=True)
-class RequestSpec:
-    request_id: str
-    prompt_len: int
-    # (offset, length) of each image placeholder in the prompt.
-    images: tuple[tuple[int, int], ...] = ()
-    max_tokens: int = 1
-    # Distinct seeds give distinct prompts (no accidental prefix sharing).
-    seed: int | None = None
-    # Video placeholder ranges (Qwen3-VL layout), beside or instead of images.
-    videos: tuple[VideoSpec, ...] = ()
+class MultimodalPlaceholders:
+    """The placeholder views of a request spec with ``images`` and ``videos``."""
+
+    images: tuple[tuple[int, int], ...]
+    videos: tuple[VideoSpec, ...]
 
     @property
     def mm_spans(self) -> tuple[tuple[int, int], ...]:
@@ -972,6 +966,19 @@ class RequestSpec:
     @property
     def has_mm(self) -> bool:
         return bool(self.images or self.videos)
+
+
+@dataclass(frozen=True)
+class RequestSpec(MultimodalPlaceholders):
+    request_id: str
+    prompt_len: int
+    # (offset, length) of each image placeholder in the prompt.
+    images: tuple[tuple[int, int], ...] = ()
+    max_tokens: int = 1
+    # Distinct seeds give distinct prompts (no accidental prefix sharing).
+    seed: int | None = None
+    # Video placeholder ranges (Qwen3-VL layout), beside or instead of images.
+    videos: tuple[VideoSpec, ...] = ()
 
 
 def _prompt(spec: RequestSpec) -> list[int]:
