@@ -94,8 +94,9 @@ class StallCause(enum.Enum):
 CAUSE_TEXT = {
     StallCause.SPECULATIVE_LOOKAHEAD: (
         "EAGLE-type speculative decoding: vLLM cuts the chunk before the next encoder input "
-        "by the drafter's look-ahead and frees held inputs only past it, on a release where "
-        "the plugin cannot end that safely",
+        "by the drafter's look-ahead and frees held inputs only past it, so the inputs due next "
+        "do not fit the encoder cache together, on a release where the plugin cannot end that "
+        "safely",
         "upgrade to vLLM 0.33+, or put two or more tokens between images",
     ),
     StallCause.INPUT_TOO_LARGE: (
