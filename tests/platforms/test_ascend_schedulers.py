@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from tools import releases
+from tests.platforms._release_env import release_env
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_ENV = "VLLM_MAMBA_FIX_ASCEND_SRC"
@@ -67,13 +67,7 @@ def ascend(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         pytest.skip(f"set {SOURCE_ENV} to an extracted vllm-ascend 0.23.0.post1 sdist")
     if not (Path(source) / "vllm_ascend" / "core" / "recompute_scheduler.py").is_file():
         pytest.skip(f"{SOURCE_ENV}={source} holds no vllm_ascend/core/recompute_scheduler.py")
-    try:
-        pythonpath = releases.pythonpath_for(RELEASE, base=str(REPO))
-    except (subprocess.SubprocessError, OSError) as exc:
-        pytest.skip(f"vLLM {RELEASE} is not cached and cannot be downloaded: {exc}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MAMBA_FIX")}
-    env.pop("VLLM_PLUGINS", None)
-    env["PYTHONPATH"] = pythonpath
+    env = release_env(RELEASE)
     link_dir = tmp_path_factory.mktemp("ascend-link")
     proc = subprocess.run(
         [sys.executable, "-m", "tests.platforms._ascend_run", source, str(link_dir)],

@@ -13,7 +13,6 @@ Each release runs in a subprocess with its pure-Python ``vllm`` overlaid on PYTH
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tools import releases
+from tests.platforms._release_env import release_env
 
 REPO = Path(__file__).resolve().parents[2]
 RESULT_PREFIX = "OLD_ORDER_RESULT "
@@ -29,13 +28,7 @@ SPLIT = "_mamba_block_aligned_split"
 
 
 def _run_on(release: str, work_dir: Path) -> dict[str, Any]:
-    try:
-        pythonpath = releases.pythonpath_for(release, base=str(REPO))
-    except (subprocess.SubprocessError, OSError) as exc:
-        pytest.skip(f"vLLM {release} is not cached and cannot be downloaded: {exc}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MAMBA_FIX")}
-    env.pop("VLLM_PLUGINS", None)
-    env["PYTHONPATH"] = pythonpath
+    env = release_env(release)
     proc = subprocess.run(
         [sys.executable, "-m", "tests.platforms._old_order_run", str(work_dir)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
