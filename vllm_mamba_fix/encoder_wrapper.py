@@ -25,11 +25,13 @@ from vllm_mamba_fix.wrappers import failure_reporter
 class EncoderOptions:
     """Options of the encoder wrapper."""
 
-    policy: ScopePolicy
+    scope: ScopePolicy
     # End the EAGLE encoder-cache deadlock (0.24-0.32).
     release_speculative_stalls: bool
     # Seconds of 0 tokens before the watchdog names a stall; None: off.
     stall_seconds: float | None
+    # Seconds after a named stall no rule can end before its request is ended; None: off.
+    end_stalls_after: float | None = None
 
 
 def _num_embeds(request: Any, input_id: int) -> int:
@@ -119,7 +121,7 @@ def make_encoder_wrapper(
         shift_computed_tokens: int,
         result: EncoderResult,
     ) -> EncoderResult:
-        if not options.policy.in_scope(request):
+        if not options.scope.in_scope(request):
             return result
         rid = request.request_id
         now = clock()
