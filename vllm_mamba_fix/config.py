@@ -1,7 +1,8 @@
-"""Configuration from environment variables; the only place that reads them.
+"""Configuration from environment variables; the only module that reads them.
 
 Invalid values never raise: each becomes a problem string (logged once by the
-caller) and the default applies.
+caller) and the default applies. Doctor reads the raw values through
+:func:`raw_values` too, to show them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ ENV_MODE = "VLLM_MAMBA_FIX"
 ENV_SCOPE = "VLLM_MAMBA_FIX_SCOPE"
 ENV_STALL_SECONDS = "VLLM_MAMBA_FIX_STALL_SECONDS"
 DEFAULT_STALL_SECONDS = 30.0
+ENV_END_STALLS_AFTER = "VLLM_MAMBA_FIX_END_STALLS_AFTER"
+# Seconds after the watchdog names a stall no rule can end: see docs/reliability.md.
+DEFAULT_END_STALLS_AFTER = 60.0
+# Per-rule switches (on by default); the rule table (rules.py) names which is whose.
+ENV_SPLIT_RULE = "VLLM_MAMBA_FIX_SPLIT_RULE"
+ENV_BLOCK_RULE = "VLLM_MAMBA_FIX_BLOCK_RULE"
+SWITCHES = (ENV_SPLIT_RULE, ENV_BLOCK_RULE)
 # vLLM's own allow-list of plugins; read only to report it (vLLM applies it).
 ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
 PLUGIN_NAME = "mamba_fix"
@@ -43,6 +51,9 @@ _MODE_VALUES: dict[str, Mode] = {
     "force": Mode.FORCE,
 }
 _SCOPE_VALUES: dict[str, Scope] = {scope.value: scope for scope in Scope}
+_SWITCH_VALUES: dict[str, bool] = {
+    "1": True, "true": True, "on": True, "0": False, "false": False, "off": False,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -51,10 +62,17 @@ class Settings:
     scope: Scope = Scope.MULTIMODAL
     # Seconds a request may get 0 tokens before the watchdog names it; None: off.
     stall_seconds: float | None = DEFAULT_STALL_SECONDS
+    # Seconds after a named, un-endable stall before its request is ended; None: never.
+    end_stalls_after: float | None = DEFAULT_END_STALLS_AFTER
+    # Per-rule switches turned off (their ENV_* names).
+    switched_off: frozenset[str] = frozenset()
     problems: tuple[str, ...] = ()
 
+    def switched_on(self, switch: str | None) -> bool:
+        return switch is None or switch not in self.switched_off
 
-_Choice = TypeVar("_Choice", Mode, Scope)
+
+_Choice = TypeVar("_Choice", Mode, Scope, bool)
 
 
 def _parse(
@@ -67,13 +85,16 @@ def _parse(
     if value is not None:
         return value, None
     accepted = "|".join(values)
-    return default, f"{name}={raw!r} is not one of {accepted}; using {default.value!r}"
+    shown = default if isinstance(default, bool) else default.value
+    return default, f"{name}={raw!r} is not one of {accepted}; using {shown!r}"
 
 
-def _parse_seconds(environ: Mapping[str, str]) -> tuple[float | None, str | None]:
-    raw = environ.get(ENV_STALL_SECONDS)
+def _parse_seconds(
+    environ: Mapping[str, str], name: str, default: float, off_at_zero: bool = False
+) -> tuple[float | None, str | None]:
+    raw = environ.get(name)
     if raw is None or raw.strip() == "":
-        return DEFAULT_STALL_SECONDS, None
+        return default, None
     text = raw.strip().lower()
     if text == "off":
         return None, None
@@ -81,22 +102,45 @@ def _parse_seconds(environ: Mapping[str, str]) -> tuple[float | None, str | None
         seconds = float(text)
     except ValueError:
         seconds = -1.0
+    if off_at_zero and seconds == 0:
+        return None, None
     if 0 <= seconds < float("inf"):
         return seconds, None
-    problem = (
-        f"{ENV_STALL_SECONDS}={raw!r} is not a number of seconds >= 0 or 'off'; "
-        f"using {DEFAULT_STALL_SECONDS:g}"
-    )
-    return DEFAULT_STALL_SECONDS, problem
+    return default, f"{name}={raw!r} is not a number of seconds >= 0 or 'off'; using {default:g}"
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if environ is None else environ
     mode, mode_problem = _parse(env, ENV_MODE, _MODE_VALUES, Mode.AUTO)
     scope, scope_problem = _parse(env, ENV_SCOPE, _SCOPE_VALUES, Scope.MULTIMODAL)
-    stall_seconds, stall_problem = _parse_seconds(env)
-    problems = tuple(p for p in (mode_problem, scope_problem, stall_problem) if p)
-    return Settings(mode=mode, scope=scope, stall_seconds=stall_seconds, problems=problems)
+    stall_seconds, stall_problem = _parse_seconds(env, ENV_STALL_SECONDS, DEFAULT_STALL_SECONDS)
+    end_after, end_problem = _parse_seconds(
+        env, ENV_END_STALLS_AFTER, DEFAULT_END_STALLS_AFTER, off_at_zero=True
+    )
+    switches = [(name, *_parse(env, name, _SWITCH_VALUES, True)) for name in SWITCHES]
+    problems = (mode_problem, scope_problem, stall_problem, end_problem)
+    return Settings(
+        mode=mode,
+        scope=scope,
+        stall_seconds=stall_seconds,
+        end_stalls_after=end_after,
+        switched_off=frozenset(name for name, on, _ in switches if not on),
+        problems=tuple(p for p in (*problems, *(p for _, _, p in switches)) if p),
+    )
+
+
+def raw_values(
+    names: tuple[str, ...], environ: Mapping[str, str] | None = None
+) -> dict[str, str | None]:
+    """The raw values of ``names`` (unset: None), for doctor to show."""
+    env = os.environ if environ is None else environ
+    return {name: env.get(name) for name in names}
+
+
+# Every variable the plugin reads, in the order the docs list them.
+ALL_VARIABLES = (
+    ENV_MODE, ENV_SCOPE, ENV_STALL_SECONDS, ENV_END_STALLS_AFTER, *SWITCHES,
+)  # fmt: skip
 
 
 def vllm_plugins_allows(environ: Mapping[str, str] | None = None) -> bool:

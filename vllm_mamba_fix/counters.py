@@ -12,100 +12,116 @@ from collections import OrderedDict
 from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.decision import Action
 
+try:  # the same counts at vLLM's /metrics (metrics.py)
+    from vllm_mamba_fix import metrics
+except ImportError:  # pragma: no cover - until metrics.py exists
+    metrics = None  # type: ignore[assignment]
+
 # Requests whose first correction was logged at info; bounded so a long-running
 # engine does not grow it forever (an evicted id only logs at info again).
 _MAX_REMEMBERED_REQUESTS = 4096
 
+# The stats() key of each correction.
+ACTION_KEYS: dict[Action, str] = {
+    Action.COLLAPSE_PREVENTED: "collapses_prevented",
+    Action.REALIGNED: "chunks_realigned",
+    Action.STOPPED_AT_ENCODER_INPUT: "chunks_stopped_at_encoder_input",
+    Action.SPECULATIVE_STALL_RELEASED: "speculative_stalls_released",
+    Action.BLOCK_ALIGNED: "block_rule_chunks",
+}
+STALL_KEYS = ("stalls_detected", "stalls_resolved", "stalls_ended")
+KEYS: tuple[str, ...] = (*ACTION_KEYS.values(), *STALL_KEYS)
+# Corrections logged at debug only: the block-unit rule's engagement line says it once
+# per scheduler, and it changes most chunks of a long prompt.
+_QUIET = frozenset({Action.BLOCK_ALIGNED})
+
 _lock = threading.Lock()
-_counts: dict[Action, int] = {action: 0 for action in Action if action is not Action.UNCHANGED}
-# Stalls the watchdog named, and those that moved again afterwards.
-_stalls = {"detected": 0, "resolved": 0}
+_counts: dict[str, int] = dict.fromkeys(KEYS, 0)
 _logged_requests: OrderedDict[str, None] = OrderedDict()
 # The process that registered the summary; a forked child registers its own.
 _summary_pid: int | None = None
-# The alignment unit of the scheduler built last (0: none built, or unreadable).
-_block_size = 0
-
-
-def note_block_size(block_size: int) -> None:
-    global _block_size
-    with _lock:
-        _block_size = block_size
 
 
 def stats() -> dict[str, int]:
-    """This process's correction counters, and the block size corrections align to."""
+    """This process's counters (facts such as the block unit: :func:`vllm_mamba_fix.records`)."""
     with _lock:
-        return {
-            "block_size": _block_size,
-            "collapses_prevented": _counts[Action.COLLAPSE_PREVENTED],
-            "chunks_realigned": _counts[Action.REALIGNED],
-            "chunks_stopped_at_encoder_input": _counts[Action.STOPPED_AT_ENCODER_INPUT],
-            "speculative_stalls_released": _counts[Action.SPECULATIVE_STALL_RELEASED],
-            "stalls_detected": _stalls["detected"],
-            "stalls_resolved": _stalls["resolved"],
-        }
+        return dict(_counts)
 
 
 def reset() -> None:
-    global _block_size
     with _lock:
-        _block_size = 0
-        for action in _counts:
-            _counts[action] = 0
-        for kind in _stalls:
-            _stalls[kind] = 0
+        for key in _counts:
+            _counts[key] = 0
         _logged_requests.clear()
 
 
-def record(action: Action, request_id: str, start: int, num_tokens: int, block_size: int) -> None:
+def _count(key: str) -> None:
     with _lock:
-        _counts[action] += 1
-        first = request_id not in _logged_requests
+        _counts[key] += 1
+    if metrics is not None:
+        metrics.count(key)
+
+
+def record(action: Action, request_id: str, start: int, num_tokens: int, block_size: int) -> None:
+    key = ACTION_KEYS[action]
+    totals = None
+    with _lock:
+        _counts[key] += 1
+        first = action not in _QUIET and request_id not in _logged_requests
         if first:
             _logged_requests[request_id] = None
             if len(_logged_requests) > _MAX_REMEMBERED_REQUESTS:
                 _logged_requests.popitem(last=False)
-        totals = _totals_text()
+            totals = dict(_counts)
+    if metrics is not None:
+        metrics.count(key)
     line = "vllm-mamba-fix: %s for request %s at token %d: scheduling %d tokens (block size %d)"
-    if first:
+    if totals is not None:
         # The running totals ride on the line logged once per request: the shutdown summary
         # is lost where the engine core is killed (vllm serve's default --shutdown-timeout 0).
-        logger.info(line + "; %s", action.value, request_id, start, num_tokens, block_size, totals)
+        logger.info(
+            line + "; %s", action.value, request_id, start, num_tokens, block_size,
+            totals_text(totals),
+        )  # fmt: skip
     else:
         logger.debug(line, action.value, request_id, start, num_tokens, block_size)
 
 
-def _totals_text() -> str:
+def totals_text(counts: dict[str, int]) -> str:
     return (
-        f"this process so far: {_counts[Action.COLLAPSE_PREVENTED]} collapses prevented, "
-        f"{_counts[Action.REALIGNED]} re-aligned, "
-        f"{_counts[Action.STOPPED_AT_ENCODER_INPUT]} stopped at an encoder input, "
-        f"{_counts[Action.SPECULATIVE_STALL_RELEASED]} speculative stalls released, "
-        f"{_stalls['detected']} stalls named"
+        f"this process so far: {counts['collapses_prevented']} collapses prevented, "
+        f"{counts['chunks_realigned']} re-aligned, "
+        f"{counts['chunks_stopped_at_encoder_input']} stopped at an encoder input, "
+        f"{counts['speculative_stalls_released']} speculative stalls released, "
+        f"{counts['block_rule_chunks']} block-rule chunks, "
+        f"{counts['stalls_detected']} stalls named, {counts['stalls_ended']} ended"
     )
 
 
 def record_stall(resolved: bool = False) -> None:
-    with _lock:
-        _stalls["resolved" if resolved else "detected"] += 1
+    _count("stalls_resolved" if resolved else "stalls_detected")
+
+
+def record_stall_ended() -> None:
+    _count("stalls_ended")
 
 
 def log_summary() -> None:
-    """Logged at process shutdown when anything was corrected."""
+    """Logged at process shutdown when anything was counted."""
     counts = stats()
-    counts.pop("block_size")
     if any(counts.values()):
         logger.info(
             "vllm-mamba-fix: this process prevented %d collapses, re-aligned %d chunks, "
-            "stopped %d chunks at an encoder input, released %d speculative stalls, and "
-            "named %d stalls (%d moved again)",
+            "stopped %d chunks at an encoder input, released %d speculative stalls, aligned %d "
+            "chunks to the cache's block, named %d stalls (%d moved again) and ended %d",
             counts["collapses_prevented"],
             counts["chunks_realigned"],
             counts["chunks_stopped_at_encoder_input"],
             counts["speculative_stalls_released"],
+            counts["block_rule_chunks"],
             counts["stalls_detected"],
             counts["stalls_resolved"],
+            counts["stalls_ended"],
         )
 
 

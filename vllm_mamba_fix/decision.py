@@ -37,6 +37,9 @@ class Action(enum.Enum):
     # itself (shifted cut, deferred free), or at two it must encode within the
     # shift (a warm repeat); ended the 0.33 way.
     SPECULATIVE_STALL_RELEASED = "speculative-stall-released"
+    # The block-unit rule: vLLM's split, asked with the cache's block, ended the
+    # chunk elsewhere than with cache_config.block_size (vLLM #54076).
+    BLOCK_ALIGNED = "block-aligned"
 
 
 class Decision(NamedTuple):

@@ -15,14 +15,16 @@ method that already resolves to a wrapper is not wrapped twice.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_mamba_fix import rules
 from vllm_mamba_fix.encoder_wrapper import EncoderOptions, make_encoder_wrapper
 from vllm_mamba_fix.evidence import defining_class
-from vllm_mamba_fix.record import MethodRecord, MethodState
+from vllm_mamba_fix.record import MethodRecord, MethodState, class_name
 from vllm_mamba_fix.targets import (
     ENCODER_METHOD,
     FREE_REQUEST_METHOD,
@@ -42,16 +44,8 @@ from vllm_mamba_fix.wrappers import (
 
 _MISSING: Any = object()
 
-
-@dataclass(frozen=True)
-class RuleOptions:
-    """What the rule-carrying wrappers need; None: that method carries no rule."""
-
-    split: WrapOptions | None
-    encoder: EncoderOptions | None
-
-    def for_method(self, name: str) -> WrapOptions | EncoderOptions | None:
-        return self.split if name == SPLIT_METHOD else self.encoder
+# Per rule-carrying method, its wrapper's options (None: that method carries no rule).
+MethodOptions = Mapping[str, Any]
 
 
 @dataclass
@@ -81,12 +75,8 @@ def _set(cls: type, name: str, value: Any) -> None:
         setattr(cls, name, value)
 
 
-def _wrap(name: str, original: Callable[..., Any], options: WrapOptions | EncoderOptions) -> Any:
-    if name == SPLIT_METHOD:
-        assert isinstance(options, WrapOptions)
-        return make_wrapper(original, options)
-    assert isinstance(options, EncoderOptions)
-    return make_encoder_wrapper(original, options)
+def _wrap(name: str, original: Callable[..., Any], options: Any) -> Any:
+    return rules.method_spec(name).wrap(original, options)
 
 
 def _we_changed(cls: type, name: str) -> bool:
@@ -95,13 +85,13 @@ def _we_changed(cls: type, name: str) -> bool:
 
 
 def install_on_base(
-    base: type, options: RuleOptions, on_built: Callable[[Any], None]
+    base: type, options: MethodOptions, on_built: Callable[[Any], None]
 ) -> tuple[tuple[str, ...], dict[str, str]]:
     """Wrap the base class's methods. Returns those wrapped, and why others were not."""
     wrapped: list[str] = []
     problems: dict[str, str] = {}
-    for name in (SPLIT_METHOD, ENCODER_METHOD):
-        rule_options = options.for_method(name)
+    for name in rules.RULE_METHODS:
+        rule_options = options.get(name)
         if rule_options is None:
             continue
         problem = check_target(base, name)
@@ -132,54 +122,82 @@ def _is_class_body_definition(owner: type, function: Any, name: str) -> bool:
     )
 
 
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+def _carried(options: Any, name: str) -> frozenset[rules.Rule]:
+    return frozenset() if options is None else rules.method_spec(name).carried(options)
 
 
 def settle_method(
     cls: type,
     base: type,
     name: str,
-    options: WrapOptions | EncoderOptions | None,
+    options: Any,
     owner_needs: Callable[[type], bool],
 ) -> MethodRecord:
-    """Make ``cls.<name>`` carry the rule when ``options`` is given; say what it resolves to.
+    """Make ``cls.<name>`` carry exactly the rules ``options`` gives (None: none); say so.
 
     ``owner_needs(owner)`` tells whether the class holding the method needs the rule
     itself: then a wrapper goes there (every subclass inherits it); otherwise on
-    ``cls`` only, so a base that is fixed upstream stays stock.
+    ``cls`` only, so a base that is fixed upstream stays stock. Where ``cls`` resolves
+    to the plugin's wrapper with other rules (a base's), ``cls`` gets its own.
     """
     owner = defining_class(cls, name)
     function = getattr(cls, name, None)
     if owner is None or function is None:
-        return MethodRecord(name, MethodState.UNPATCHABLE, _qualname(cls), note="does not exist")
-    owner_name = _qualname(owner)
+        return MethodRecord(name, MethodState.UNPATCHABLE, class_name(cls), note="does not exist")
+    wanted = _carried(options, name)
     if hasattr(function, MARKER):
-        state = MethodState.WRAPPED if options is not None else MethodState.STOCK
-        note = "" if options is not None else "inherited wrapper; this class needs no rule here"
-        return MethodRecord(name, state, owner_name, describe_function(function.__wrapped__), note)
+        if rules.carried_by(function, name) != wanted:
+            original = function.__wrapped__
+            _set(cls, name, original if options is None else _wrap(name, original, options))
+        return describe_method(cls, name, wanted)
     if options is None:
-        return MethodRecord(name, MethodState.STOCK, owner_name)
+        return describe_method(cls, name, wanted)
     if owner is not base and _is_class_body_definition(owner, function, name):
         return MethodRecord(
-            name, MethodState.OVERRIDDEN, owner_name,
+            name, MethodState.OVERRIDDEN, class_name(owner),
             note=f"{owner.__qualname__} defines its own {name}; not wrapped",
         )  # fmt: skip
     replaced = _we_changed(owner, name)
     qualified = f"{owner.__qualname__}.{name}"
     problem = shape_problem(function, qualified, name)
     if problem is not None:
-        note = f"{problem}; it comes from {function.__module__}"
-        return MethodRecord(name, MethodState.UNPATCHABLE, owner_name, note=note)
+        note = f"{problem}; it comes from {getattr(function, '__module__', None) or '?'}"
+        return MethodRecord(name, MethodState.UNPATCHABLE, class_name(owner), note=note)
     target = owner if owner_needs(owner) else cls
     _set(target, name, _wrap(name, function, options))
-    state, note = MethodState.WRAPPED, ""
+    found = describe_method(cls, name, wanted)
     if replaced:
-        state = MethodState.WRAPPED_REPLACEMENT
         note = f"{function.__module__} replaced the plugin's wrapper; wrapped the replacement"
-    elif target is not owner:
-        note = f"installed on {cls.__qualname__} only"
-    return MethodRecord(name, state, _qualname(target), describe_function(function), note)
+        return dataclasses.replace(found, state=MethodState.WRAPPED_REPLACEMENT, note=note)
+    return found
+
+
+def describe_method(cls: type, name: str, wanted: frozenset[rules.Rule]) -> MethodRecord:
+    """What ``cls.<name>`` resolves to now, against the rules its own plan wants there."""
+    owner = defining_class(cls, name)
+    function = getattr(cls, name, None)
+    if owner is None or function is None:
+        return MethodRecord(name, MethodState.UNPATCHABLE, class_name(cls), note="does not exist")
+    if not hasattr(function, MARKER):
+        return MethodRecord(name, MethodState.STOCK, class_name(owner))
+    carried = rules.carried_by(function, name)
+    wraps = describe_function(function.__wrapped__)
+    note = ""
+    if owner is not cls:
+        if carried == wanted:
+            note = "inherited wrapper"
+        else:
+            extra = ", ".join(sorted(r.value for r in carried - wanted)) or "none"
+            note = f"inherits the wrapper installed on {owner.__qualname__} (carries {extra} "
+            note += "beyond what its own plan needs)"
+    elif owner is not cls.__mro__[-1]:
+        note = f"installed on {cls.__qualname__} only" if _has_wrapped_base(cls, name) else ""
+    return MethodRecord(name, MethodState.WRAPPED, class_name(owner), wraps, note, carried)
+
+
+def _has_wrapped_base(cls: type, name: str) -> bool:
+    """Whether a base class of ``cls`` also holds a plugin wrapper or the stock method."""
+    return any(name in vars(klass) for klass in cls.__mro__[1:])
 
 
 def wrap(cls: type, options: WrapOptions) -> None:

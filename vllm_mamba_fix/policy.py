@@ -1,6 +1,8 @@
-"""Which rules to install: settings, release data and code evidence in, a typed plan out.
+"""How each rule's need is decided: settings, release data and code evidence in, a verdict out.
 
-Pure functions; no vLLM import and no logging (callers pick the log level).
+Pure functions; no vLLM import and no logging (callers pick the log level). The rule
+table (:mod:`vllm_mamba_fix.rules`) names which function decides which rule, and
+:func:`vllm_mamba_fix.rules.plan` runs them in its order.
 
 The rules, why they exist, and where they stop being needed:
 
@@ -9,32 +11,46 @@ The rules, why they exist, and where they stop being needed:
   is floored to 0 and the request never moves. Upstream moved the split ahead of
   encoder budgeting in 0.28.0 (vLLM #51603); a platform scheduler that keeps the
   old order in its own ``schedule()`` still needs the rule on any release.
+- ``block-unit``: wraps ``_mamba_block_aligned_split`` too. Every release's split
+  floors to ``cache_config.block_size``, which can differ from the block the Mamba
+  cache stores (vLLM #54076); where it does, stock chunks end inside cached blocks
+  and later prefix hits give wrong tokens. Engaged per scheduler, where the sizes
+  differ; on 0.15-0.25 it also re-aligns a text request that starts mid-block.
 - ``speculative-stall``: wraps ``_try_schedule_encoder_inputs``. From 0.24.0 an
   encoder-cache entry is freed only past the drafter's look-ahead (vLLM #46315),
   which parks a request whose images sit closer than that under EAGLE-type
   speculation. 0.33.0 frees without the delay and cuts without the shift.
 - ``stall-watchdog``: names a request that gets 0 tokens for long, with its cause.
+- ``stall-end``: ends a named stall that no rule can end, with an error to its client.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vllm_mamba_fix.config import ENV_MODE, ENV_STALL_SECONDS, Mode
+from vllm_mamba_fix.config import (
+    ENV_BLOCK_RULE,
+    ENV_END_STALLS_AFTER,
+    ENV_MODE,
+    ENV_SPLIT_RULE,
+    ENV_STALL_SECONDS,
+    Mode,
+    Settings,
+)
 from vllm_mamba_fix.evidence import Evidence
 from vllm_mamba_fix.versions import Family, Verdict
 
 
 class Rule(enum.Enum):
-    """What the plugin may install."""
+    """What the plugin may install; the rule table (rules.py) says how."""
 
-    # Wraps _mamba_block_aligned_split: collapse, re-align, encoder stop.
     SPLIT = "split"
-    # Wraps _try_schedule_encoder_inputs: ends the EAGLE encoder-cache deadlock.
+    BLOCK_UNIT = "block-unit"
     SPECULATIVE_STALL = "speculative-stall"
-    # Wraps _try_schedule_encoder_inputs: names stalls no rule can end.
     STALL_WATCHDOG = "stall-watchdog"
+    STALL_END = "stall-end"
 
 
 @dataclass(frozen=True)
@@ -64,9 +80,28 @@ class Plan:
         return "; ".join(f"{v.rule.value} [{v.basis}: {v.reason}]" for v in chosen)
 
 
-def _split_verdict(force: bool, family: Family, evidence: Evidence) -> RuleVerdict:
-    if force:
-        return RuleVerdict(Rule.SPLIT, True, "setting", "VLLM_MAMBA_FIX=force")
+@dataclass(frozen=True)
+class Facts:
+    """What a rule's need is decided from."""
+
+    settings: Settings
+    family: Family
+    evidence: Evidence
+
+
+Earlier = Mapping[Rule, RuleVerdict]  # the verdicts decided before, in table order
+
+
+def _switched_off(rule: Rule, switch: str) -> RuleVerdict:
+    return RuleVerdict(rule, False, "setting", f"{switch}=0")
+
+
+def split_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
+    family, evidence = facts.family, facts.evidence
+    if not facts.settings.switched_on(ENV_SPLIT_RULE):
+        return _switched_off(Rule.SPLIT, ENV_SPLIT_RULE)
+    if facts.settings.mode is Mode.FORCE:
+        return RuleVerdict(Rule.SPLIT, True, "setting", f"{ENV_MODE}=force")
     if evidence.split_after_encoder is not None:
         by_version = family.verdict is Verdict.PATCH
         if evidence.split_after_encoder:
@@ -94,7 +129,20 @@ def _split_verdict(force: bool, family: Family, evidence: Evidence) -> RuleVerdi
     return RuleVerdict(Rule.SPLIT, family.verdict is Verdict.PATCH, "version", family.summary)
 
 
-def _speculative_verdict(family: Family, evidence: Evidence) -> RuleVerdict:
+def block_unit_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
+    if not facts.settings.switched_on(ENV_BLOCK_RULE):
+        return _switched_off(Rule.BLOCK_UNIT, ENV_BLOCK_RULE)
+    if facts.family.verdict is Verdict.ABSENT:
+        return RuleVerdict(Rule.BLOCK_UNIT, False, "version", facts.family.summary)
+    return RuleVerdict(
+        Rule.BLOCK_UNIT, True, "version",
+        "every release's split floors to cache_config.block_size (vLLM #54076); engages for "
+        "each scheduler whose Mamba KV cache stores another block",
+    )  # fmt: skip
+
+
+def speculative_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
+    family, evidence = facts.family, facts.evidence
     if not family.drafter_fallback:
         return RuleVerdict(
             Rule.SPECULATIVE_STALL, False, "version",
@@ -114,19 +162,25 @@ def _speculative_verdict(family: Family, evidence: Evidence) -> RuleVerdict:
     return RuleVerdict(Rule.SPECULATIVE_STALL, deferred, basis, reason)
 
 
-def plan(mode: Mode, family: Family, evidence: Evidence, stall_seconds: float | None) -> Plan:
-    """Which rules to install, once the scheduler class exists; code first, version second."""
-    split = _split_verdict(mode is Mode.FORCE, family, evidence)
-    speculative = _speculative_verdict(family, evidence)
-    if stall_seconds is None:
-        watchdog = RuleVerdict(Rule.STALL_WATCHDOG, False, "setting", f"{ENV_STALL_SECONDS}=off")
-    else:
-        active = split.active or speculative.active
-        watchdog = RuleVerdict(
-            Rule.STALL_WATCHDOG, active, "setting",
-            f"after {stall_seconds:g} s" if active else "no other rule installed",
-        )  # fmt: skip
-    return Plan((split, speculative, watchdog))
+def watchdog_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
+    seconds = facts.settings.stall_seconds
+    if seconds is None:
+        return RuleVerdict(Rule.STALL_WATCHDOG, False, "setting", f"{ENV_STALL_SECONDS}=off")
+    # It watches where a fix rule runs (a release that needs one).
+    active = any(earlier[rule].active for rule in (Rule.SPLIT, Rule.SPECULATIVE_STALL))
+    return RuleVerdict(
+        Rule.STALL_WATCHDOG, active, "setting",
+        f"after {seconds:g} s" if active else "no fix rule installed",
+    )  # fmt: skip
+
+
+def stall_end_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
+    after = facts.settings.end_stalls_after
+    if after is None:
+        return RuleVerdict(Rule.STALL_END, False, "setting", f"{ENV_END_STALLS_AFTER}=off")
+    if not earlier[Rule.STALL_WATCHDOG].active:
+        return RuleVerdict(Rule.STALL_END, False, "setting", "the stall watchdog is off")
+    return RuleVerdict(Rule.STALL_END, True, "setting", f"{after:g} s after a stall is named")
 
 
 class Preflight(enum.Enum):

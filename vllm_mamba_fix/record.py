@@ -6,6 +6,7 @@ Written when a scheduler is built (and by doctor's dry run); the active line,
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 from dataclasses import dataclass
@@ -14,14 +15,7 @@ from typing import Any
 from vllm_mamba_fix.blocks import BlockUnit
 from vllm_mamba_fix.evidence import Evidence
 from vllm_mamba_fix.policy import Plan, Rule
-from vllm_mamba_fix.targets import ENCODER_METHOD, SPLIT_METHOD
-
-# The method that carries each rule.
-RULE_METHOD: dict[Rule, str] = {
-    Rule.SPLIT: SPLIT_METHOD,
-    Rule.SPECULATIVE_STALL: ENCODER_METHOD,
-    Rule.STALL_WATCHDOG: ENCODER_METHOD,
-}
+from vllm_mamba_fix.targets import SPLIT_METHOD
 
 
 class MethodState(enum.Enum):
@@ -46,6 +40,8 @@ class MethodRecord:
     owner: str  # the class whose namespace holds what the class resolves
     wraps: str | None = None  # module.qualname of what the plugin's wrapper calls
     note: str = ""  # why it was left stock, or who replaced it
+    # The rules the wrapper this class resolves to carries (its own or inherited).
+    rules: frozenset[Rule] = frozenset()
 
     def describe(self) -> str:
         text = f"{self.name} {self.state.value} on {self.owner}"
@@ -61,31 +57,47 @@ class ClassRecord:
     evidence: Evidence
     methods: tuple[MethodRecord, ...]
     block: BlockUnit | None = None  # of the scheduler built last; None in a dry run
+    # Why vLLM never calls the split for the scheduler built last (no Mamba KV cache
+    # group, no align mode); None: it does, or no scheduler was built.
+    split_idle: str | None = None
 
     def method(self, name: str) -> MethodRecord | None:
         return next((m for m in self.methods if m.name == name), None)
 
     @property
     def rules(self) -> frozenset[Rule]:
-        """The planned rules whose method really carries the plugin's wrapper."""
-        carried = {m.name for m in self.methods if m.state.carries_rules}
-        return frozenset(rule for rule in self.plan.rules if RULE_METHOD[rule] in carried)
+        """The rules that really run: what the wrappers this class resolves to carry."""
+        carried: set[Rule] = set()
+        for m in self.methods:
+            if m.state.carries_rules and not (m.name == SPLIT_METHOD and self.split_idle):
+                carried |= m.rules
+        return frozenset(carried)
 
     @property
     def left_out(self) -> frozenset[Rule]:
-        """Planned rules that do not run: their method is overridden or unpatchable."""
+        """Planned rules that do not run: overridden, unpatchable, or never called."""
         return self.plan.rules - self.rules
+
+    @property
+    def inherited(self) -> frozenset[Rule]:
+        """Rules that run though this class's own plan does not need them (a base's wrapper)."""
+        return self.rules - self.plan.rules
 
     def to_json(self) -> dict[str, Any]:
         return {
             "scheduler_class": self.scheduler_class,
             "rules": sorted(rule.value for rule in self.rules),
             "left_out": sorted(rule.value for rule in self.left_out),
+            "inherited": sorted(rule.value for rule in self.inherited),
             "block_size": None if self.block is None else self.block.mamba,
             "cache_config_block_size": None if self.block is None else self.block.configured,
+            "block_rule_engaged": Rule.BLOCK_UNIT in self.rules
+            and self.block is not None
+            and self.block.differs,
+            "split_idle": self.split_idle,
             "methods": [
                 {"name": m.name, "state": m.state.value, "owner": m.owner, "wraps": m.wraps,
-                 "note": m.note}
+                 "note": m.note, "rules": sorted(r.value for r in m.rules)}
                 for m in self.methods
             ],
         }  # fmt: skip
@@ -95,12 +107,29 @@ _lock = threading.Lock()
 _records: dict[str, ClassRecord] = {}
 
 
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def remember(record: ClassRecord) -> bool:
-    """Store ``record``; returns whether it differs from the one stored for its class."""
+    """Store ``record``; returns whether its class had none."""
     with _lock:
-        changed = _records.get(record.scheduler_class) != record
+        new = record.scheduler_class not in _records
         _records[record.scheduler_class] = record
-        return changed
+        return new
+
+
+def recorded(name: str) -> ClassRecord | None:
+    with _lock:
+        return _records.get(name)
+
+
+def note_block_unit(cls: type, unit: BlockUnit) -> None:
+    """The block sizes a scheduler of ``cls`` settled at its first split."""
+    with _lock:
+        found = _records.get(class_name(cls))
+        if found is not None:
+            _records[found.scheduler_class] = dataclasses.replace(found, block=unit)
 
 
 def records() -> tuple[ClassRecord, ...]:

@@ -18,8 +18,6 @@ FREE_METHOD = "_free_encoder_inputs"
 INIT_METHOD = "__init__"
 # Wrapped so per-request state ends with the request (finished or aborted).
 FREE_REQUEST_METHOD = "_free_request"
-# The rule-carrying methods, in the order the log names them.
-RULE_METHODS = (SPLIT_METHOD, ENCODER_METHOD)
 
 SPLIT_LEADING_PARAMETERS = ("self", "request", "num_new_tokens")
 # The extra computed-token arguments the waiting loop passes, in order.

@@ -51,7 +51,7 @@ def test_unexpected_encoder_signature_leaves_that_method_stock(
     module.Scheduler(BLOCK)
     logs.assert_no_traceback()
     (warning,) = logs.warnings
-    assert "not installing speculative-stall and stall-watchdog" in warning
+    assert "not installing speculative-stall and stall-end and stall-watchdog" in warning
     assert "unexpected signature" in warning and "computed, n, budget, shift" in warning
     (active,) = [line for line in logs.visible if " active: " in line]
     assert "carries split [" in active and "wraps" in active
@@ -167,7 +167,11 @@ def test_code_evidence_patches_a_pre_fix_dev_build(
     assert "pre-fix build" in active
 
 
-def test_code_evidence_leaves_a_backport_alone(logs: LogCapture, fake_vllm: FakeFactory) -> None:
+def test_code_evidence_leaves_a_backport_alone(
+    logs: LogCapture, fake_vllm: FakeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The block-unit rule, needed on every release, is left out to see the split rule's verdict.
+    monkeypatch.setenv("VLLM_MAMBA_FIX_BLOCK_RULE", "0")
     scheduler = fake_vllm(version="0.27.1", scheduler=FIXED_SCHEDULER).import_scheduler()
     register()
     assert not patch.is_wrapped(scheduler) and not patch.is_wrapped(scheduler, ENCODER)

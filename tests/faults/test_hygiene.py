@@ -17,7 +17,10 @@ from tests.faults.conftest import BLOCK, FakeRequest, FakeVllm, LogCapture
 from vllm_mamba_fix import register, unregister
 
 FakeFactory = Callable[..., FakeVllm]
-OWN_VARIABLES = {"VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_MAMBA_FIX_STALL_SECONDS"}
+OWN_VARIABLES = {
+    "VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_MAMBA_FIX_STALL_SECONDS",
+    "VLLM_MAMBA_FIX_END_STALLS_AFTER", "VLLM_MAMBA_FIX_SPLIT_RULE", "VLLM_MAMBA_FIX_BLOCK_RULE",
+}  # fmt: skip
 # Modules allowed to touch the environment: configuration, and the doctor's report.
 ENV_MODULES = {"config.py", "doctor.py"}
 

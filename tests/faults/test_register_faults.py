@@ -215,7 +215,7 @@ def test_already_patched_by_us_is_not_wrapped_again(
     original = scheduler_method(scheduler)
     options = wrappers.WrapOptions(
         prefill_gate=versions.PrefillGate.BEFORE_PREFILL_END,
-        policy=ScopePolicy(plugin.load_settings().scope),
+        scope=ScopePolicy(plugin.load_settings().scope),
     )
     patch.wrap(scheduler, options)
     ours = scheduler_method(scheduler)
@@ -362,19 +362,44 @@ def test_dev_and_local_versions_judged_by_release(
     assert is_patched(scheduler)
 
 
+UPSTREAM_FIXED = ["0.28.0", "0.28.0.dev5+g1234", "0.33.0+cpu", "1.0.0"]
+
+
+@pytest.mark.parametrize("version", UPSTREAM_FIXED)
+def test_fixed_versions_get_only_the_block_unit_rule(
+    version: str, logs: LogCapture, fake_vllm: FakeFactory
+) -> None:
+    """Every release's split floors to cache_config.block_size (vLLM #54076): the block-unit
+    rule is installed there too, and nothing else on a fixed scheduler."""
+    fake = fake_vllm(version=version, scheduler=FIXED_SCHEDULER)
+    scheduler = fake.import_scheduler()
+    register()
+    scheduler(BLOCK)
+    logs.assert_no_traceback()
+    assert logs.warnings == []
+    (line,) = logs.visible
+    assert " active: " in line and "carries block-unit [" in line, line
+    assert "split [" not in line and "speculative-stall [" not in line, line
+    assert is_patched(scheduler)
+
+
 @pytest.mark.parametrize(
-    ("version", "needle"),
+    ("version", "needle", "env"),
     [
-        ("0.28.0", "not needed"),
-        ("0.28.0.dev5+g1234", "not needed"),
-        ("0.33.0+cpu", "not needed"),
-        ("1.0.0", "not needed"),
-        ("0.14.1", "has no Scheduler._mamba_block_aligned_split"),
+        *((v, "not needed", {"VLLM_MAMBA_FIX_BLOCK_RULE": "0"}) for v in UPSTREAM_FIXED),
+        ("0.14.1", "has no Scheduler._mamba_block_aligned_split", {}),
     ],
 )
 def test_unaffected_versions_are_left_alone(
-    version: str, needle: str, logs: LogCapture, fake_vllm: FakeFactory
+    version: str,
+    needle: str,
+    env: dict[str, str],
+    logs: LogCapture,
+    fake_vllm: FakeFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     fake = fake_vllm(version=version, scheduler=FIXED_SCHEDULER)
     scheduler = fake.import_scheduler()
     register()

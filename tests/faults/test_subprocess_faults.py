@@ -155,6 +155,9 @@ def test_reads_only_its_own_variables_in_real_vllm(real_vllm_probe: ProbeRun) ->
         "VLLM_MAMBA_FIX",
         "VLLM_MAMBA_FIX_SCOPE",
         "VLLM_MAMBA_FIX_STALL_SECONDS",
+        "VLLM_MAMBA_FIX_END_STALLS_AFTER",
+        "VLLM_MAMBA_FIX_SPLIT_RULE",
+        "VLLM_MAMBA_FIX_BLOCK_RULE",
     }
 
 

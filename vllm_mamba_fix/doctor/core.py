@@ -35,8 +35,9 @@ from vllm_mamba_fix.doctor.checks.vllm_import import import_vllm
 from vllm_mamba_fix.doctor.checks.vllm_plugins import check_platform_plugins, check_vllm_plugins
 from vllm_mamba_fix.doctor.report import STATUS, Report
 from vllm_mamba_fix.evidence import UNREADABLE, Evidence
-from vllm_mamba_fix.policy import Plan, Rule, plan, preflight
-from vllm_mamba_fix.record import RULE_METHOD, ClassRecord
+from vllm_mamba_fix.policy import Plan, Rule, preflight
+from vllm_mamba_fix.record import ClassRecord
+from vllm_mamba_fix.rules import RULE_METHOD, plan
 from vllm_mamba_fix.versions import Family, Verdict, family_for
 
 
@@ -170,7 +171,7 @@ def run(
         dry_plan = dry.base_state.plan
     elif dry is not None:  # the base class could not be loaded
         dry_mode = dry_settings.mode if dry_settings is not None else settings.mode
-        dry_plan = plan(dry_mode, family, evidence, settings.stall_seconds)
+        dry_plan = plan(dataclasses.replace(settings, mode=dry_mode), family, evidence)
     planned = dry_plan.rules if dry_plan else frozenset()
     installed = base_record.rules if base_record else frozenset()
     decided = dry_plan if should_patch else None  # then the dry run used the real settings
@@ -180,7 +181,7 @@ def run(
     by_code = (
         dry_plan
         if ran_auto and dry_plan
-        else plan(Mode.AUTO, family, evidence, settings.stall_seconds)
+        else plan(dataclasses.replace(settings, mode=Mode.AUTO), family, evidence)
     )
 
     spec = check_speculative(speculative_config, version, family, decided, installed)

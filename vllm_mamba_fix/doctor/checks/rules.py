@@ -7,8 +7,8 @@ from typing import Any
 from vllm_mamba_fix.config import ENV_STALL_SECONDS, Mode, Settings
 from vllm_mamba_fix.doctor.report import Report
 from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.policy import Plan, Rule, RuleVerdict, plan
-from vllm_mamba_fix.record import RULE_METHOD
+from vllm_mamba_fix.policy import Plan, Rule, RuleVerdict
+from vllm_mamba_fix.rules import RULE_METHOD, plan
 from vllm_mamba_fix.versions import Family
 
 _A_SETTING = {"active": None, "reason": f"a setting ({ENV_STALL_SECONDS}), not a fix"}
@@ -92,7 +92,7 @@ def rule_table(
 
 def version_plan(family: Family, stall_seconds: float | None) -> Plan:
     """What the release data alone decides (no code read)."""
-    return plan(Mode.AUTO, family, Evidence(), stall_seconds)
+    return plan(Settings(stall_seconds=stall_seconds), family, Evidence())
 
 
 def rule_lines(

@@ -25,12 +25,12 @@ from vllm_mamba_fix.doctor.report import (
     stdout_to_stderr,
 )
 from vllm_mamba_fix.evidence import Evidence, defining_class, read_evidence
-from vllm_mamba_fix.policy import Plan, Rule, plan
-from vllm_mamba_fix.record import RULE_METHOD, ClassRecord, MethodState
+from vllm_mamba_fix.policy import Plan, Rule
+from vllm_mamba_fix.record import ClassRecord, MethodState
+from vllm_mamba_fix.rules import RULE_METHOD, RULE_METHODS, plan
 from vllm_mamba_fix.targets import (
     FREE_REQUEST_METHOD,
     INIT_METHOD,
-    RULE_METHODS,
     SCHEDULER_CLASS,
     SCHEDULER_MODULE,
     check_target,
@@ -149,7 +149,7 @@ def _check_all(targets: list[Target]) -> list[ClassCheck]:
 def _base_state(base: type, settings: Settings, family: Family) -> BaseState:
     """The plugin's decision for ``base`` from the same typed functions it runs."""
     evidence = read_evidence(base)
-    decided = plan(settings.mode, family, evidence, settings.stall_seconds)
+    decided = plan(settings, family, evidence)
     methods = {RULE_METHOD[rule] for rule in decided.rules}
     problems = {name: check_target(base, name) for name in RULE_METHODS if name in methods}
     return BaseState(decided, evidence, {k: v for k, v in problems.items() if v is not None})
@@ -160,7 +160,7 @@ def _unsettled(check: ClassCheck, settings: Settings, family: Family) -> ClassCh
     if check.record is not None or not check.own_schedule:
         return check  # settled, or it runs the base's schedule() and so the base's plan
     evidence = read_evidence(resolve_class(check.target.qualname))
-    decided = plan(settings.mode, family, evidence, settings.stall_seconds)
+    decided = plan(settings, family, evidence)
     return dataclasses.replace(check, unsettled_plan=decided)
 
 

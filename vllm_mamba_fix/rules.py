@@ -1,0 +1,177 @@
+"""The rule table: every rule the plugin can install, and every method that carries rules.
+
+One frozen :class:`RuleSpec` per rule says what it is (its name), where it runs (the
+Scheduler method whose wrapper carries it), how its need is decided (a function of
+:mod:`vllm_mamba_fix.policy`), its switch and its ``stats()`` keys. One
+:class:`MethodSpec` per wrapped method says how its wrapper is built and which of its
+rules a built wrapper carries. ``patch``, ``plugin``, ``record``, doctor and the
+docs' configuration table read these tables; adding a rule touches its own module
+and this one (CONTRIBUTING.md, "Adding a rule").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_mamba_fix.config import (
+    ENV_BLOCK_RULE,
+    ENV_END_STALLS_AFTER,
+    ENV_MODE,
+    ENV_SPLIT_RULE,
+    ENV_STALL_SECONDS,
+    Settings,
+)
+from vllm_mamba_fix.encoder_wrapper import EncoderOptions, make_encoder_wrapper
+from vllm_mamba_fix.evidence import Evidence
+from vllm_mamba_fix.policy import (
+    Earlier,
+    Facts,
+    Plan,
+    Rule,
+    RuleVerdict,
+    block_unit_verdict,
+    speculative_verdict,
+    split_verdict,
+    stall_end_verdict,
+    watchdog_verdict,
+)
+from vllm_mamba_fix.scope import ScopePolicy
+from vllm_mamba_fix.targets import (
+    ENCODER_METHOD,
+    FREE_REQUEST_METHOD,
+    INIT_METHOD,
+    MARKER,
+    SPLIT_METHOD,
+)
+from vllm_mamba_fix.versions import Family, PrefillGate
+from vllm_mamba_fix.wrappers import WrapOptions, make_wrapper
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    rule: Rule
+    method: str  # the Scheduler method whose wrapper carries it
+    decide: Callable[[Facts, Earlier], RuleVerdict]  # decided in table order
+    switch: str  # the variable that turns it off (config.ALL_VARIABLES)
+    stats_keys: tuple[str, ...]  # its counters in stats()
+    fixes: bool  # ends a hang or a wrong token (doctor: "needed"), not only reports
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    # The wrapper's options for the rules a plan gives this method; None: not wrapped.
+    options: Callable[[frozenset[Rule], Settings, Family, ScopePolicy], Any]
+    wrap: Callable[[Callable[..., Any], Any], Callable[..., Any]]
+    # The rules a built wrapper's options carry.
+    carried: Callable[[Any], frozenset[Rule]]
+
+
+RULES: tuple[RuleSpec, ...] = (
+    RuleSpec(
+        Rule.SPLIT, SPLIT_METHOD, split_verdict, ENV_SPLIT_RULE,
+        ("collapses_prevented", "chunks_realigned", "chunks_stopped_at_encoder_input"),
+        fixes=True,
+    ),
+    RuleSpec(
+        Rule.BLOCK_UNIT, SPLIT_METHOD, block_unit_verdict, ENV_BLOCK_RULE,
+        ("block_rule_chunks", "chunks_realigned"), fixes=True,
+    ),
+    RuleSpec(
+        Rule.SPECULATIVE_STALL, ENCODER_METHOD, speculative_verdict, ENV_MODE,
+        ("speculative_stalls_released",), fixes=True,
+    ),
+    RuleSpec(
+        Rule.STALL_WATCHDOG, ENCODER_METHOD, watchdog_verdict, ENV_STALL_SECONDS,
+        ("stalls_detected", "stalls_resolved"), fixes=False,
+    ),
+    RuleSpec(
+        Rule.STALL_END, ENCODER_METHOD, stall_end_verdict, ENV_END_STALLS_AFTER,
+        ("stalls_ended",), fixes=False,
+    ),
+)  # fmt: skip
+
+
+def _split_options(
+    rules: frozenset[Rule], settings: Settings, family: Family, scope: ScopePolicy
+) -> WrapOptions | None:
+    if not rules & {Rule.SPLIT, Rule.BLOCK_UNIT}:
+        return None
+    # FORCE on an unreadable version has no gate of its own: 0.17+'s.
+    gate = family.prefill_gate or PrefillGate.BEFORE_PREFILL_END
+    return WrapOptions(
+        gate, scope, deadlock_rules=Rule.SPLIT in rules, block_rule=Rule.BLOCK_UNIT in rules
+    )
+
+
+def _split_carried(options: WrapOptions) -> frozenset[Rule]:
+    carried = {Rule.SPLIT} if options.deadlock_rules else set()
+    return frozenset(carried | ({Rule.BLOCK_UNIT} if options.block_rule else set()))
+
+
+def _encoder_options(
+    rules: frozenset[Rule], settings: Settings, family: Family, scope: ScopePolicy
+) -> EncoderOptions | None:
+    if not rules & {Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG, Rule.STALL_END}:
+        return None
+    return EncoderOptions(
+        scope,
+        release_speculative_stalls=Rule.SPECULATIVE_STALL in rules,
+        stall_seconds=settings.stall_seconds if Rule.STALL_WATCHDOG in rules else None,
+        end_stalls_after=settings.end_stalls_after if Rule.STALL_END in rules else None,
+    )
+
+
+def _encoder_carried(options: EncoderOptions) -> frozenset[Rule]:
+    carried = {Rule.SPECULATIVE_STALL} if options.release_speculative_stalls else set()
+    if options.stall_seconds is not None:
+        carried.add(Rule.STALL_WATCHDOG)
+    if options.end_stalls_after is not None:
+        carried.add(Rule.STALL_END)
+    return frozenset(carried)
+
+
+METHODS: tuple[MethodSpec, ...] = (
+    MethodSpec(SPLIT_METHOD, _split_options, make_wrapper, _split_carried),
+    MethodSpec(ENCODER_METHOD, _encoder_options, make_encoder_wrapper, _encoder_carried),
+)
+
+# The rule-carrying methods, in the order the log names them.
+RULE_METHODS: tuple[str, ...] = tuple(spec.name for spec in METHODS)
+# Every method the plugin wraps: the rule carriers, the per-construction check, and
+# the end of per-request state.
+ALL_WRAPPED: tuple[str, ...] = (*RULE_METHODS, INIT_METHOD, FREE_REQUEST_METHOD)
+RULE_METHOD: dict[Rule, str] = {spec.rule: spec.method for spec in RULES}
+FIX_RULES: tuple[Rule, ...] = tuple(spec.rule for spec in RULES if spec.fixes)
+# Rules of the split method, which do nothing where vLLM never calls it.
+SPLIT_RULES: frozenset[Rule] = frozenset(r for r, m in RULE_METHOD.items() if m == SPLIT_METHOD)
+
+
+def method_spec(name: str) -> MethodSpec:
+    return next(spec for spec in METHODS if spec.name == name)
+
+
+def plan(settings: Settings, family: Family, evidence: Evidence) -> Plan:
+    """Which rules to install, in table order; code first, version second, per rule."""
+    facts = Facts(settings, family, evidence)
+    decided: dict[Rule, RuleVerdict] = {}
+    for spec in RULES:
+        decided[spec.rule] = spec.decide(facts, decided)
+    return Plan(tuple(decided.values()))
+
+
+def options_for(
+    decided: Plan, settings: Settings, family: Family, scope: ScopePolicy
+) -> dict[str, Any]:
+    """Per rule-carrying method, its wrapper's options under ``decided`` (None: not wrapped)."""
+    return {spec.name: spec.options(decided.rules, settings, family, scope) for spec in METHODS}
+
+
+def carried_by(function: Any, name: str) -> frozenset[Rule]:
+    """The rules the plugin's wrapper ``function`` of method ``name`` carries."""
+    options = getattr(function, MARKER, None)
+    if options is None or name not in RULE_METHODS:
+        return frozenset()
+    return method_spec(name).carried(options)
