@@ -71,6 +71,9 @@ class PropScenario:
     encoder_cache: int
     threshold: int
     requests: tuple[PropRequest, ...]
+    # cache_config.block_size below the cache's block (vLLM #54076); None: pinned to it.
+    configured_block_size: int | None = None
+    configured_after_build: bool = False
 
     def config(self, mode: Mode = SYNC) -> HarnessConfig:
         return mode.apply(
@@ -82,8 +85,15 @@ class PropScenario:
                 max_model_len=max(
                     8192, max(r.prompt_len + r.max_tokens for r in self.requests) + 16
                 ),
+                configured_block_size=self.configured_block_size,
+                configured_after_build=self.configured_after_build,
             )
         )
+
+    @property
+    def pinned(self) -> PropScenario:
+        """The same scenario with cache_config.block_size pinned to the cache's block."""
+        return dataclasses.replace(self, configured_block_size=None, configured_after_build=False)
 
     @property
     def has_images(self) -> bool:
@@ -143,7 +153,12 @@ class Trace:
 
     @property
     def first_correction_step(self) -> int | None:
-        return min((s for s, _, _ in self.corrections), default=None)
+        """The first step where a chunk differs from vLLM's with the cache's block pinned
+        (the block-unit rule's own chunks are exactly those)."""
+        return min((s for s, _, a in self.corrections if a != BLOCK_ALIGNED), default=None)
+
+
+BLOCK_ALIGNED = "block-aligned"  # decision.Action.BLOCK_ALIGNED.value
 
 
 def drive(

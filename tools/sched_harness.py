@@ -200,6 +200,9 @@ class HarnessConfig:
     # core does when it re-validates its config after the start-up handshake.
     configured_block_size: int | None = None
     configured_after_build: bool = False
+    # Build the scheduler over the attention layers' KV cache only, as for a model
+    # without Mamba layers: vLLM never calls the split there.
+    attention_only: bool = False
 
     @property
     def mode_name(self) -> str:
@@ -694,6 +697,12 @@ def build_scheduler(cfg: HarnessConfig) -> Built:
     assert cache_config.enable_prefix_caching
 
     specs = _kv_cache_specs(vllm_config, _model_cls(vllm_config))
+    if cfg.attention_only:
+        specs = {
+            name: spec
+            for name, spec in specs.items()
+            if not any(k.__name__ == "MambaSpec" for k in type(spec).__mro__)
+        }
     page = next(iter(specs.values())).page_size_bytes
     # vLLM checks that one max_model_len request fits in every KV cache group
     # (Qwen3.5 has 4); the override then sets the pool to exactly num_blocks.

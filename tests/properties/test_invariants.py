@@ -57,3 +57,12 @@ def test_video_and_mixed_scenarios(sched_mode: Mode, data: st.DataObject) -> Non
     """Issue 15: placeholders are images or Qwen3-VL videos (timestamps, markers and pads
     per temporal patch, `is_embed` on the pads or off), alone or mixed in one prompt."""
     check_scenario(_draw(data, sched_mode, videos=True), sched_mode)
+
+
+@profile(ci_examples=15)
+@given(data=st.data())
+def test_two_block_units(sched_mode: Mode, data: st.DataObject) -> None:
+    """Issue 20: cache_config.block_size below the cache's block (vLLM #54076); every chunk of
+    every request, text and multimodal, keeps the invariants in the cache's block, and text
+    requests get stock's chunks with the block pinned."""
+    check_scenario(_draw(data, sched_mode, two_units=True), sched_mode)
