@@ -97,6 +97,8 @@ class RequestSpec(TypedDict, total=False):
     text: str
     gap: int
     beside: int
+    # Text before the first placeholder (a prompt whose text prefix another prompt cached).
+    prefix: str
 
 
 # Between two image placeholders, by gap: what image_prompt puts there (2), less.
@@ -107,12 +109,13 @@ BESIDE_PROMPT = "Count from one to one hundred:"
 def request_prompt(request: RequestSpec) -> str:
     """The raw prompt text of ``request`` (images at ``[1 + (256 + gap) k, ...)``)."""
     images, gap = request["images"], request.get("gap", 2)
+    prefix = request.get("prefix", "")
     prompt = image_prompt(len(images), request.get("text"))
     if gap == 2 or not images:
-        return prompt
+        return prefix + prompt
     placeholders = image_prompt(len(images), "")
     pads = _IMAGE_SEPARATORS[gap].join(["<|image_pad|>"] * len(images))
-    return f"<|vision_start|>{pads}<|vision_end|>{prompt[len(placeholders) :]}"
+    return f"{prefix}<|vision_start|>{pads}<|vision_end|>{prompt[len(placeholders) :]}"
 
 
 @dataclass

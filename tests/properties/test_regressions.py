@@ -121,13 +121,21 @@ def _sub_block(scenario: PropScenario) -> bool:
 @given(scenario=scenarios())
 def test_regression_examples(sched_mode: Mode, scenario: PropScenario) -> None:
     if _sub_block(scenario):
-        # Out of scope on chunk-length families: the plugin must match stock exactly.
+        # Out of the deadlock rules' scope on chunk-length families: the plugin matches stock
+        # up to the block-unit rule's first re-align of a mid-block text chunk (issue 20).
         with pa.stock():
             stock = pa.drive(scenario, max_steps=40, stall_steps=8, mode=sched_mode)
         with pa.plugin_active():
             patched = pa.drive(scenario, max_steps=40, stall_steps=8, mode=sched_mode)
-        assert not patched.corrections
-        assert patched.result.chunks == stock.result.chunks
+        assert {action for _, _, action in patched.corrections} <= {"realigned"}
+        horizon = patched.first_correction_step
+        for rid, chunks in stock.result.chunks.items():
+            mine = patched.result.chunks.get(rid, [])
+            if horizon is None:
+                assert mine == chunks
+            else:
+                assert [c for c in mine if c[0] < horizon] == [c for c in chunks if c[0] < horizon]
+        assert patched.result.violations(scenario.block_size) == []
         return
     check_scenario(scenario, sched_mode)
 
