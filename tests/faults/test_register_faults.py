@@ -362,6 +362,16 @@ def test_dev_and_local_versions_judged_by_release(
     assert is_patched(scheduler)
 
 
+def _build_fixed(version: str, logs: LogCapture, fake_vllm: FakeFactory) -> type:
+    """A fixed scheduler on ``version``, registered and built; no traceback, no warning."""
+    scheduler = fake_vllm(version=version, scheduler=FIXED_SCHEDULER).import_scheduler()
+    register()
+    scheduler(BLOCK)
+    logs.assert_no_traceback()
+    assert logs.warnings == []
+    return scheduler
+
+
 UPSTREAM_FIXED = ["0.28.0", "0.28.0.dev5+g1234", "0.33.0+cpu", "1.0.0"]
 
 
@@ -371,12 +381,7 @@ def test_fixed_versions_get_only_the_block_unit_rule(
 ) -> None:
     """Every release's split floors to cache_config.block_size (vLLM #54076): the block-unit
     rule is installed there too, and nothing else on a fixed scheduler."""
-    fake = fake_vllm(version=version, scheduler=FIXED_SCHEDULER)
-    scheduler = fake.import_scheduler()
-    register()
-    scheduler(BLOCK)
-    logs.assert_no_traceback()
-    assert logs.warnings == []
+    scheduler = _build_fixed(version, logs, fake_vllm)
     (line,) = logs.visible
     assert " active: " in line and "carries block-unit [" in line, line
     assert "split [" not in line and "speculative-stall [" not in line, line
@@ -400,12 +405,7 @@ def test_unaffected_versions_are_left_alone(
 ) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    fake = fake_vllm(version=version, scheduler=FIXED_SCHEDULER)
-    scheduler = fake.import_scheduler()
-    register()
-    scheduler(BLOCK)
-    logs.assert_no_traceback()
-    assert logs.warnings == []
+    scheduler = _build_fixed(version, logs, fake_vllm)
     assert len(logs.visible) == 1 and needle in logs.visible[0], logs.visible
     assert not is_patched(scheduler)
 
