@@ -456,27 +456,169 @@ def _result(value: Any) -> Any:
     return value[1] if isinstance(value, tuple) else value
 
 
-def first_scope_call() -> dict[str, float]:
-    """One-off: the first scope question builds the pluggy manager (scans entry points)."""
+def scope_load() -> dict[str, Any]:
+    """What the plugin runs: ``ScopePolicy.load()`` once when it patches the scheduler (builds
+    the pluggy manager, scans the entry points), then scope checks inside schedule() steps.
+
+    Timed on a policy of the installed wrapper's scope, loaded the way the plugin loads it;
+    ``installed_loaded`` says whether the plugin's own policy was loaded by the patch."""
     from tools.scenarios import ISSUE_CONFIG
     from tools.sched_harness import Harness
-    from vllm_mamba_fix.config import Scope
+    from vllm_mamba_fix import targets
     from vllm_mamba_fix.scope import ScopePolicy
 
+    installed = getattr(_scheduler_class().__dict__[METHOD], targets.MARKER).scope
+    loaded_by_patch = bool(installed._loaded)
     harness = Harness(ISSUE_CONFIG)
     req = _micro_cases(harness)["slow path, text prefill starved"].args[0]
-    policy = ScopePolicy(Scope.MULTIMODAL)
+    policy = ScopePolicy(installed.scope)
+    t0 = time.perf_counter_ns()
+    policy.load()  # at patch time, not in a step
+    load_us = (time.perf_counter_ns() - t0) / 1e3
     times = []
     for _ in range(3):
         t0 = time.perf_counter_ns()
         policy.in_scope(req)
         times.append((time.perf_counter_ns() - t0) / 1e3)
-    return {"first_us": times[0], "later_us": min(times[1:])}
+    return {"load_us": load_us, "first_us": times[0], "later_us": min(times[1:]),
+            "installed_loaded": loaded_by_patch}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- text-only step
+
+# Issue 22 item 6: text only, the engine's step (schedule() + update_from_output()), the
+# plugin as registered against stock, side by side. 192 decodes and 64 prefills behind them.
+N_TEXT_ONLY_DECODE = 192
+N_TEXT_ONLY_PREFILL = 64
+
+
+def plugin_step_methods() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
+    """Every method the plugin wrapped on the class that a step can call (``__init__`` is
+    not one): name -> (wrapper, original)."""
+    from vllm_mamba_fix import targets
+
+    cls = _scheduler_class()
+    return {
+        name: (fn, fn.__wrapped__)
+        for name, fn in vars(cls).items()
+        if hasattr(fn, targets.MARKER) and name != "__init__"
+    }
+
+
+def _text_specs() -> list[Any]:
+    from tools.sched_harness import RequestSpec
+
+    specs = [
+        RequestSpec(f"d{i}", 300 + (i * 37) % 900, (), max_tokens=30_000, seed=i + 1)
+        for i in range(N_TEXT_ONLY_DECODE)
+    ]
+    specs += [
+        RequestSpec(f"p{i}", 30_000 + i * 17, (), max_tokens=16, seed=1_000 + i)
+        for i in range(N_TEXT_ONLY_PREFILL)
+    ]
+    return specs
+
+
+def _build_text(count: int) -> list[Any]:
+    """``count`` identical harnesses, built with the plugin installed (as the engine builds
+    its scheduler), warmed up to 256 running text requests."""
+    from tools.sched_harness import Harness, HarnessConfig
+
+    cfg = HarnessConfig(
+        max_num_batched_tokens=8192,
+        encoder_cache_tokens=16_384,
+        long_prefill_token_threshold=2112,
+        num_blocks=5_000,
+        max_num_seqs=256,
+        max_model_len=65_536,
+    )
+    built = []
+    for _ in range(count):
+        harness = Harness(cfg)
+        harness.add(*_text_specs())
+        scheduler = harness.scheduler
+        budget = scheduler.max_num_scheduled_tokens
+        scheduler.max_num_scheduled_tokens = 1 << 22  # admit everyone in one warm-up step
+        harness.step()
+        scheduler.max_num_scheduled_tokens = budget
+        for _ in range(3):
+            harness.step()
+        built.append(harness)
+    return built
+
+
+def _timed_step(scheduler: Any, sink: list[int]) -> None:
+    """Shadow ``schedule`` and ``update_from_output``: each step's sink entry is the sum of
+    both (the harness's fake model runner between them is not timed)."""
+    clock = time.perf_counter_ns
+    for name in ("schedule", "update_from_output"):
+        bound = getattr(type(scheduler), name).__get__(scheduler)
+
+        def timed(*args: Any, _bound: Any = bound, _name: str = name, **kwargs: Any) -> Any:
+            gc.disable()
+            t0 = clock()
+            try:
+                return _bound(*args, **kwargs)
+            finally:
+                elapsed = clock() - t0
+                gc.enable()
+                if _name == "schedule":
+                    sink.append(elapsed)
+                else:
+                    sink[-1] += elapsed
+
+        setattr(scheduler, name, timed)
+
+
+def text_step_bench(rounds: int, steps: int) -> dict[str, Any]:
+    """Stock against the plugin as registered, text only, schedule() + update_from_output()."""
+    cls = _scheduler_class()
+    wrapped = plugin_step_methods()
+    arms = {
+        "stock": {name: pair[1] for name, pair in wrapped.items()},
+        "plugin": {name: pair[0] for name, pair in wrapped.items()},
+    }
+    names = list(arms)
+    times: dict[str, list[int]] = {name: [] for name in names}
+    diverged = 0
+    running: list[int] = []
+    try:
+        for r in range(rounds):
+            _install(cls, arms["plugin"])
+            harnesses = _build_text(len(names))
+            owner = {name: harnesses[(i + r) % len(names)] for i, name in enumerate(names)}
+            sinks: dict[str, list[int]] = {name: [] for name in names}
+            for name in names:
+                _timed_step(owner[name].scheduler, sinks[name])
+            running.append(len(harnesses[0].scheduler.running))
+            for s in range(steps):
+                gc.collect()
+                shift = (r + s) % len(names)
+                chunks = {}
+                for name in names[shift:] + names[:shift]:
+                    _install(cls, arms[name])
+                    chunks[name] = owner[name].step()
+                diverged += chunks["plugin"] != chunks["stock"]
+            for name in names:
+                times[name] += sinks[name]
+    finally:
+        _install(cls, arms["plugin"])  # the plugin as registered
+    return {
+        "arms": names,
+        "wrapped": sorted(wrapped),
+        "us_per_step": {name: quantiles([t / 1e3 for t in times[name]]) for name in names},
+        "ratio": quantiles([x / y for x, y in zip(times["plugin"], times["stock"], strict=True)]),
+        "running_requests": min(running),
+        "diverged_steps": diverged,
+        "steps": len(times["stock"]),
+    }
 
 
 def run(profile: str) -> dict[str, Any]:
-    if profile == "smoke":
-        return {"schedule": schedule_bench(rounds=1, steps=16), "micro": micro_bench(9, 2_000_000),
-                "scope_first_call": first_scope_call()}  # fmt: skip
-    return {"schedule": schedule_bench(rounds=8, steps=25), "micro": micro_bench(41, 10_000_000),
-            "scope_first_call": first_scope_call()}  # fmt: skip
+    smoke = profile == "smoke"
+    return {
+        "schedule": schedule_bench(rounds=1, steps=16) if smoke else schedule_bench(8, 25),
+        "micro": micro_bench(9, 2_000_000) if smoke else micro_bench(41, 10_000_000),
+        "text_step": text_step_bench(rounds=1, steps=16) if smoke else text_step_bench(12, 40),
+        "scope_load": scope_load(),
+    }

@@ -364,12 +364,26 @@ def _hot_rows(hot: dict[str, Any], row: Any) -> None:
         "per step), median [IQR]",
         f"split wrapper {us(sched['added_us_per_split_call'])} per split call; encoder wrapper "
         f"{us(sched['added_us_per_encoder_call'])} per encoder call (noisy)")  # fmt: skip
-    scope = hot.get("scope_first_call")
+    text = hot.get("text_step")
+    if text:
+        per_text = text["us_per_step"]
+        row("1 hot path", "text-only step, schedule() + update_from_output() ms/step, one "
+            "interleaved run, median [IQR]: stock; plugin as registered",
+            f"stock {ms(per_text['stock'])}; plugin {ms(per_text['plugin'])}; "
+            f"n={text['steps']} steps each, {text['running_requests']} running text "
+            f"requests, wrapped: {', '.join(text['wrapped'])}; "
+            f"{text['diverged_steps']} diverged")  # fmt: skip
+        q = text["ratio"]
+        row("1 hot path", "text-only step (schedule() + update_from_output()), plugin / stock, "
+            "per-step ratio, median [IQR]", ratio(q),
+            f"<= {TARGET_SCHEDULE_RATIO}", q["median"] <= TARGET_SCHEDULE_RATIO)  # fmt: skip
+    scope = hot.get("scope_load")
     if scope:
-        row("1 hot path", "one-off: first scope check (builds pluggy manager, scans entry "
-            "points) inside a schedule() step",
-            f"{fmt(scope['first_us'] / 1e3, 2)} ms once; later "
-            f"{fmt(scope['later_us'], 1)} us")  # fmt: skip
+        row("1 hot path", "scope rules: ScopePolicy.load() when the plugin patches (builds "
+            "the pluggy manager, scans entry points); scope checks in a step after it",
+            f"load {fmt(scope['load_us'] / 1e3, 2)} ms once, at patch time; first check "
+            f"{fmt(scope['first_us'], 1)} us, later {fmt(scope['later_us'], 1)} us; installed "
+            f"policy loaded by the patch: {scope['installed_loaded']}")  # fmt: skip
     for case, m in hot["micro"].items():
         added = m["added_us"]
         fast = m.get("kind", "fast") == "fast"

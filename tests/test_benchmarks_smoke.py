@@ -56,6 +56,13 @@ def test_sections_ran_without_errors(smoke: tuple[str, dict, str]) -> None:
     # The hot path ran its three arms side by side.
     hot = data["results"]["main"]["hotpath"]["schedule"]
     assert set(hot["us_per_step"]) == HOT_PATH_ARMS
+    # Issue 22 item 6: the text-only step, the plugin as registered against stock, same work.
+    text = data["results"]["main"]["hotpath"]["text_step"]
+    assert set(text["us_per_step"]) == {"stock", "plugin"} and text["steps"] > 0
+    assert text["diverged_steps"] == 0
+    assert {"_mamba_block_aligned_split", "_try_schedule_encoder_inputs"} <= set(text["wrapped"])
+    # The scope rules are timed as the plugin runs them: loaded when it patched.
+    assert data["results"]["main"]["hotpath"]["scope_load"]["installed_loaded"] is True
 
 
 def test_markdown_table_is_well_formed(smoke: tuple[str, dict, str]) -> None:

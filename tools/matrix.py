@@ -11,6 +11,16 @@ narrows them). Prints one row per release and writes the table as Markdown
     python -m tools.matrix                          # latest patch of every minor
     python -m tools.matrix 0.19.1 0.25.1 -j 2
     python -m tools.matrix --readme                 # also refresh docs/compatibility.md
+
+Resumable: each release runs as cells (its `base` cell: the tests that take no mode
+and the mode-free probes; one cell per mode), and a finished cell is cached under a
+key that hashes everything that decides it (tools/matrix_cache.py). A re-run runs
+only the cells it does not find, so the full run can be done in pieces:
+
+    python -m tools.matrix 0.15.0 0.15.1 0.16.0 -j 1   # a piece; its cells are cached
+    python -m tools.matrix --stop-after 1200          # starts no release after 20 minutes
+    python -m tools.matrix --readme                   # the rest, then the whole table
+    python -m tools.matrix --fresh                    # ignore the cache, run every cell
 """
 
 from __future__ import annotations
@@ -23,13 +33,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools import releases
+from tools import matrix_cache, releases
 
 REPO = Path(__file__).resolve().parent.parent
 REPORT_ENV = "VLLM_MAMBA_FIX_MATRIX_REPORT"
@@ -37,6 +46,8 @@ MODES_ENV = "VLLM_MAMBA_FIX_HARNESS_MODES"  # tools.sched_harness.MODES_ENV (no 
 README_START = "<!-- matrix:start -->"
 README_END = "<!-- matrix:end -->"
 COMPATIBILITY_DOC = REPO / "docs" / "compatibility.md"  # where --readme writes by default
+# tools.sched_harness.MODES, by name (that module imports vLLM; the unit test pins the two).
+ALL_MODES: tuple[str, ...] = ("sync", "async", "sync+mtp2", "async+mtp2")
 
 
 # CI: one release per family (vllm_mamba_fix.versions.FAMILIES) and the modes it runs there.
@@ -64,11 +75,12 @@ def default_releases() -> list[str]:
 
 def probe() -> dict[str, Any]:
     """Measure stock and patched behaviour of every scenario on the imported vLLM,
-    in every selected harness mode.
+    in every harness mode of the cells this process runs ($VLLM_MAMBA_FIX_MATRIX_CELLS,
+    default: the base cell and every selected mode).
 
-    `stock`/`patched`/`block_size` are the sync mode's (the table before issue
-    10); `modes` holds each mode's, or why the release cannot build it, and the
-    scenarios left out of it with the reason.
+    `modes` holds each mode's scenarios (or why the release cannot build the mode),
+    the scenarios left out of it with the reason, and the corrections its patched
+    runs made; `base` (None when the base cell is not run here) the mode-free probes.
     """
     import vllm_mamba_fix
     from tools import scenarios as sc
@@ -78,7 +90,9 @@ def probe() -> dict[str, Any]:
 
     version = harness.vllm_version()
     family = family_for(version)
-    modes = harness.selected_modes()
+    wanted = {c for c in os.environ.get(matrix_cache.CELLS_ENV, "").split(",") if c}
+    modes = [m for m in harness.selected_modes() if not wanted or m.name in wanted]
+    with_base = not wanted or matrix_cache.BASE in wanted
     runnable: dict[str, list[Any]] = {}
     per_mode: dict[str, dict[str, Any]] = {}
     for mode in modes:
@@ -91,6 +105,7 @@ def probe() -> dict[str, Any]:
         if not reason:
             runnable[mode.name] = [s for s in sc.ALL if not skipped[s.name]]
     by_name = {m.name: m for m in modes}
+    base: dict[str, Any] | None = None
     saved = {k: os.environ.pop(k, None) for k in ("VLLM_MAMBA_FIX", "VLLM_PLUGINS")}
     try:
         harness.unload_plugin()
@@ -100,23 +115,28 @@ def probe() -> dict[str, Any]:
         harness.load_plugins()
         default_active = harness.split_is_wrapped()
         default_methods = _wrapped_methods()
-        speculative = _speculative_stall_probe(stock_only=False) if default_methods else None
-        videos = _video_probe() if default_methods else None
-        harness.unload_plugin()
-        stock_speculative = _speculative_stall_probe(stock_only=True)
-        stock_videos = _video_probe()
-        harness.load_plugins()
+        if with_base:
+            speculative = _speculative_stall_probe(stock_only=False) if default_methods else None
+            videos = _video_probe() if default_methods else None
+            harness.unload_plugin()
+            stock_speculative = _speculative_stall_probe(stock_only=True)
+            stock_videos = _video_probe()
+            harness.load_plugins()
+            layout = _video_layout_source()
+            base = {
+                "speculative_stall": {"stock": stock_speculative, "plugin": speculative},
+                "videos": {"stock": stock_videos, "plugin": videos, "layout": layout},
+            }
         if not default_active:
             os.environ["VLLM_MAMBA_FIX"] = "force"
             harness.unload_plugin()
             harness.load_plugins()
-        before = vllm_mamba_fix.stats()
-        patched = {
-            m: {s.name: s.run(by_name[m]) for s in scenarios} for m, scenarios in runnable.items()
-        }
-        after = vllm_mamba_fix.stats()
-        for counts in (before, after):
-            counts.pop("block_size")  # the unit, not a counter
+        patched: dict[str, dict[str, Any]] = {}
+        for m, scenarios in runnable.items():
+            before = vllm_mamba_fix.stats()  # counters only (facts live in the record)
+            patched[m] = {s.name: s.run(by_name[m]) for s in scenarios}
+            after = vllm_mamba_fix.stats()
+            per_mode[m]["actions"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         harness.unload_plugin()
         # pytest has closed its streams by the time the exit summary would be logged.
         reset_counters()
@@ -131,29 +151,23 @@ def probe() -> dict[str, Any]:
             stock={n: _summary(r) for n, r in stock[name].items()},
             patched={n: _summary(r) for n, r in patched[name].items()},
         )
-    first = harness.SYNC.name if harness.SYNC.name in runnable else next(iter(runnable), None)
     return {
         "version": version,
         "family": family.name,
         "architecture": harness.supported_architecture(),
-        "block_size": per_mode[first]["block_size"] if first else None,
         "default_active": default_active,
         "default_methods": default_methods,
-        "speculative_stall": {"stock": stock_speculative, "plugin": speculative},
-        "videos": {"stock": stock_videos, "plugin": videos, "layout": _video_layout_source()},
-        "stock": per_mode[first]["stock"] if first else {},
-        "patched": per_mode[first]["patched"] if first else {},
         "modes": per_mode,
-        "actions": {k: after.get(k, 0) - before.get(k, 0) for k in after},
+        "base": base,
     }
 
 
 def _wrapped_methods() -> list[str]:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix import patch, targets
+    from vllm_mamba_fix import patch, rules
 
-    return [name for name in targets.RULE_METHODS if patch.is_wrapped(Scheduler, name)]
+    return [name for name in rules.RULE_METHODS if patch.is_wrapped(Scheduler, name)]
 
 
 SPECULATIVE_GAPS = (0, 1)
@@ -255,20 +269,13 @@ class Row:
     passed: int = 0
     failed: int = 0
     skipped: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # this run's wall time for the row
     detail: str = ""
     probe: dict[str, Any] = field(default_factory=dict)
-
-
-def _counts(junit: Path) -> tuple[int, int, int]:
-    if not junit.exists():
-        return 0, 0, 0
-    root = ET.parse(junit).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root)
-    total = sum(int(s.get("tests", 0)) for s in suites)
-    failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
-    skipped = sum(int(s.get("skipped", 0)) for s in suites)
-    return total - failed - skipped, failed, skipped
+    cells_run: int = 0
+    cells_reused: int = 0  # found in the cache under their key
+    stored: list[str] = field(default_factory=list)  # when the reused cells were made
+    test_seconds: float = 0.0  # pytest time of all its cells, reused ones included
 
 
 def _stock_text(stock: dict[str, Any]) -> str:
@@ -329,45 +336,191 @@ def _describe(row: Row, data: dict[str, Any]) -> None:
         row.does = f"inactive by default (not needed); force: {summary}"
 
 
-def run_release(
-    release: str, timeout: float, pytest_args: list[str], modes: str | None = None
-) -> Row:
-    """``modes``: the comma list of harness modes for this release (None: as inherited)."""
-    row = Row(release)
+def modes_for(release: str, ci: bool) -> list[str]:
+    """This release's harness modes: --modes / $VLLM_MAMBA_FIX_HARNESS_MODES win; else under
+    --ci the release's CI_MODES entry; else all four."""
+    raw = (os.environ.get(MODES_ENV) or (CI_MODES.get(release) if ci else None) or "all").strip()
+    names = list(ALL_MODES) if raw == "all" else [n.strip() for n in raw.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALL_MODES]
+    if unknown or not names:
+        raise SystemExit(f"unknown harness modes {unknown or raw!r}; known: {list(ALL_MODES)}")
+    return [m for m in ALL_MODES if m in names]
+
+
+@dataclass(frozen=True)
+class Keys:
+    """What every cell key of this run shares (tools.matrix_cache.cell_key)."""
+
+    sources: str
+    environment: str
+    settings: dict[str, str]
+    root: Path = REPO  # where `sources` was hashed
+
+    @classmethod
+    def now(cls, pytest_args: list[str]) -> Keys:
+        return cls(
+            matrix_cache.sources_digest(),
+            matrix_cache.environment_digest(),
+            run_settings(pytest_args),
+        )
+
+    def of(self, release: str, cell: str) -> str:
+        return matrix_cache.cell_key(release, cell, self.sources, self.environment, self.settings)
+
+
+def _subprocess_env(release: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = releases.pythonpath_for(release, base=str(REPO))
+    env.setdefault("VLLM_MAMBA_FIX_PROPERTY_EXAMPLES", "8")
+    for name in ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS"):
+        env.pop(name, None)
+    return env
+
+
+def run_settings(pytest_args: list[str]) -> dict[str, str]:
+    """The settings of a run that decide a cell beyond the sources: the hypothesis profile,
+    every other VLLM_* / HYPOTHESIS_* variable the subprocess sees, and the pytest args."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_MAMBA_FIX_PROPERTY_EXAMPLES", "8")
+    own = {
+        REPORT_ENV, MODES_ENV, matrix_cache.CELLS_ENV, matrix_cache.OUTCOMES_ENV,
+        "VLLM_MAMBA_FIX_CACHE", "VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS",
+    }  # fmt: skip
+    settings = {
+        k: v for k, v in env.items() if k.startswith(("VLLM_", "HYPOTHESIS_")) and k not in own
+    }
+    settings.update({k: env.get(k, "") for k in matrix_cache.PROFILE_ENVS})
+    settings["pytest_args"] = " ".join(pytest_args)
+    return settings
+
+
+def _run_cells(
+    release: str, cells: list[str], timeout: float, pytest_args: list[str]
+) -> tuple[dict[str, dict[str, Any]], str]:
+    """Run the given cells of one release in one pytest process.
+
+    Returns each cell's stored form ({"tests", "probe", "ok", "seconds"}) and the
+    output's summary; a cell is ok when the process finished, wrote its probe, and
+    none of the cell's tests failed.
+    """
+    modes = [c for c in cells if c != matrix_cache.BASE]
     start = time.monotonic()
+    out: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix=f"matrix-{release}-") as tmp:
-        report, junit = Path(tmp) / "probe.json", Path(tmp) / "junit.xml"
+        report, outcomes = Path(tmp) / "probe.json", Path(tmp) / "outcomes.json"
+        env = _subprocess_env(release)
+        env[REPORT_ENV], env[matrix_cache.OUTCOMES_ENV] = str(report), str(outcomes)
+        env[matrix_cache.CELLS_ENV] = ",".join(cells)
+        env[MODES_ENV] = ",".join(modes) or ALL_MODES[0]  # base alone: no mode item is kept
+        cmd = [
+            sys.executable, "-m", "pytest", "tests/scheduler", "tests/properties",
+            "-m", "matrix", "-q", "-p", "no:cacheprovider", "-p", "tools.matrix_cache",
+            *pytest_args,
+        ]  # fmt: skip
         try:
-            env = dict(os.environ)
-            env["PYTHONPATH"] = releases.pythonpath_for(release, base=str(REPO))
-            env[REPORT_ENV] = str(report)
-            if modes:
-                env[MODES_ENV] = modes
-            env.setdefault("VLLM_MAMBA_FIX_PROPERTY_EXAMPLES", "8")
-            for name in ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS"):
-                env.pop(name, None)
-            cmd = [
-                sys.executable, "-m", "pytest", "tests/scheduler", "tests/properties",
-                "-m", "matrix", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *pytest_args,
-            ]  # fmt: skip
             proc = subprocess.run(
                 cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
             )
-            lines = (proc.stdout + proc.stderr).strip().splitlines()
-            summary = [ln for ln in lines if re.match(r"(FAILED|ERROR) |=+ .*(passed|failed)", ln)]
-            row.detail = "\n".join([*summary, "...", *lines[-15:]])
-            row.passed, row.failed, row.skipped = _counts(junit)
-            row.result = "pass" if proc.returncode == 0 and row.passed else "FAIL"
-            if report.exists():
-                row.probe = json.loads(report.read_text())
-                _describe(row, row.probe)
-                if row.probe["version"] != release:
-                    row.result = "FAIL"
-                    row.detail += f"\nimported vLLM {row.probe['version']}, not {release}"
         except subprocess.TimeoutExpired:
-            row.result, row.detail = "FAIL", f"timed out after {timeout:.0f}s"
-        except Exception as exc:  # a broken release must not stop the matrix
-            row.result, row.detail = "FAIL", f"{type(exc).__name__}: {exc}"
+            return {}, f"timed out after {timeout:.0f}s"
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        summary = [ln for ln in lines if re.match(r"(FAILED|ERROR) |=+ .*(passed|failed)", ln)]
+        detail = "\n".join([*summary, "...", *lines[-15:]])
+        if proc.returncode not in (0, 1) or not report.exists() or not outcomes.exists():
+            return {}, detail + f"\npytest exited {proc.returncode} without a complete report"
+        data, counts = json.loads(report.read_text()), json.loads(outcomes.read_text())
+    seconds = (time.monotonic() - start) / len(cells)  # the process's time, shared out
+    if data["version"] != release:
+        return {}, detail + f"\nimported vLLM {data['version']}, not {release}"
+    common = {k: v for k, v in data.items() if k not in ("modes", "base")}
+    for cell in cells:
+        tests = counts.get(cell, {"passed": 0, "failed": 0, "skipped": 0, "failures": []})
+        part = data["base"] if cell == matrix_cache.BASE else data["modes"].get(cell)
+        probe = {**common, cell: part}
+        ok = part is not None and not tests["failed"]
+        out[cell] = {"tests": tests, "probe": probe, "ok": ok, "seconds": seconds}
+    if proc.returncode == 1 and all(c["ok"] for c in out.values()):
+        # pytest says something failed, and no cell owns it: trust none of them.
+        for cell in out.values():
+            cell["ok"] = False
+    return out, detail
+
+
+def merge(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One release's probe, in the shape _describe reads, from its cells' stored parts."""
+    first = next(iter(cells.values()))["probe"]
+    shared = ("version", "family", "architecture", "default_active", "default_methods")
+    data: dict[str, Any] = {k: first[k] for k in shared}
+    base = (cells.get(matrix_cache.BASE) or {}).get("probe", {}).get(matrix_cache.BASE) or {}
+    data["speculative_stall"] = base.get("speculative_stall")
+    data["videos"] = base.get("videos")
+    data["modes"] = {
+        m: cells[m]["probe"][m] for m in ALL_MODES if m in cells and cells[m]["probe"].get(m)
+    }
+    runnable = [m for m, d in data["modes"].items() if not d.get("unsupported")]
+    first_mode = runnable[0] if runnable else None  # sync where it runs
+    data["block_size"] = data["modes"][first_mode]["block_size"] if first_mode else None
+    data["stock"] = data["modes"][first_mode]["stock"] if first_mode else {}
+    data["patched"] = data["modes"][first_mode]["patched"] if first_mode else {}
+    actions: dict[str, int] = {}
+    for mode in data["modes"].values():
+        for key, value in mode.get("actions", {}).items():
+            actions[key] = actions.get(key, 0) + value
+    data["actions"] = actions
+    return data
+
+
+def run_release(
+    release: str,
+    timeout: float,
+    pytest_args: list[str],
+    modes: list[str],
+    keys: Keys,
+    fresh: bool = False,
+) -> Row:
+    """One row: the cells found under their keys, the others run now (and stored when ok)."""
+    row = Row(release)
+    start = time.monotonic()
+    cells = [matrix_cache.BASE, *modes]
+    found: dict[str, dict[str, Any]] = {}
+    if not fresh:
+        for cell in cells:
+            hit = matrix_cache.load(release, cell, keys.of(release, cell))
+            if hit and hit.get("ok"):
+                found[cell] = hit
+    missing = [c for c in cells if c not in found]
+    details = [f"cached: {', '.join(found)}"] if found else []
+    try:
+        if missing:
+            ran, detail = _run_cells(release, missing, timeout, pytest_args)
+            details.append(detail)
+            # Sources changed while the process ran: its result has no key that fits.
+            unchanged = matrix_cache.sources_digest(keys.root) == keys.sources
+            for cell, data in ran.items():
+                if data["ok"] and unchanged:
+                    matrix_cache.store(release, cell, keys.of(release, cell), data)
+            if ran and not unchanged:
+                details.append("sources changed during the run: cells not stored")
+            found.update(ran)
+        row.cells_run, row.cells_reused = len(missing), len(cells) - len(missing)
+        done = [found[c] for c in cells if c in found]
+        row.stored = sorted(str(c["stored"]) for c in done if "stored" in c)
+        for part in done:
+            row.passed += part["tests"]["passed"]
+            row.failed += part["tests"]["failed"]
+            row.skipped += part["tests"]["skipped"]
+            for nodeid in part["tests"]["failures"]:
+                details.append(f"FAILED {nodeid}")
+        row.test_seconds = sum(c["seconds"] for c in done)
+        ok = len(done) == len(cells) and all(c["ok"] for c in done)
+        row.result = "pass" if ok and row.passed else "FAIL"
+        if done:
+            row.probe = merge({c: found[c] for c in cells if c in found})
+            _describe(row, row.probe)
+    except Exception as exc:  # a broken release must not stop the matrix
+        row.result = "FAIL"
+        details.append(f"{type(exc).__name__}: {exc}")
+    row.detail = "\n".join(details)
     row.seconds = time.monotonic() - start
     return row
 
@@ -417,21 +570,28 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         help="comma list of harness modes (default: $VLLM_MAMBA_FIX_HARNESS_MODES or all four)",
     )
+    parser.add_argument(
+        "--fresh", action="store_true", help="run every cell, ignoring cached results"
+    )
+    parser.add_argument(
+        "--stop-after",
+        type=float,
+        metavar="SECONDS",
+        help="start no release after SECONDS (finished cells stay cached; run again to resume)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="print pytest tails")
     args = parser.parse_args(argv)
     if args.modes:
-        os.environ[MODES_ENV] = args.modes  # inherited by every release's pytest
+        os.environ[MODES_ENV] = args.modes  # every release runs these
 
     chosen = (
         args.releases
         or (list(CI_MODES) if args.ci else None)
         or (list(releases.ALL_RELEASES) if args.all else default_releases())
     )
-
-    def per_release(release: str) -> str | None:
-        # --modes or $VLLM_MAMBA_FIX_HARNESS_MODES win; else --ci sets each release's modes.
-        return None if os.environ.get(MODES_ENV) or not args.ci else CI_MODES.get(release)
-
+    modes = {r: modes_for(r, args.ci) for r in chosen}
+    pytest_args = args.pytest_args.split()
+    keys = Keys.now(pytest_args)
     started = time.monotonic()
     # Download and extract first, one at a time (pip and the disk do not parallelise).
     for release in chosen:
@@ -440,17 +600,22 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             print(f"{release}: cannot prepare overlay: {exc}", file=sys.stderr)
     print(f"{'release':8} {'family':6} {'result':6} {'time':>6}  stock | plugin | does")
+
+    def one(release: str) -> Row:
+        if args.stop_after is not None and time.monotonic() - started > args.stop_after:
+            return Row(release, result="not run", detail=f"--stop-after {args.stop_after:.0f}")
+        return run_release(release, args.timeout, pytest_args, modes[release], keys, args.fresh)
+
     rows: list[Row] = []
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [
-            pool.submit(run_release, r, args.timeout, args.pytest_args.split(), per_release(r))
-            for r in chosen
-        ]
-        for future in futures:
-            row = future.result()
+        for row in pool.map(one, chosen):
             rows.append(row)
+            reused = f", {row.cells_reused} cached" if row.cells_reused else ""
+            if "cells not stored" in row.detail:
+                reused += "; sources changed while it ran, cells not stored"
             print(
                 f"{row.release:8} {row.family:6} {row.result:6} {row.seconds:5.0f}s  "
+                f"({row.cells_run} cells run{reused}) "
                 f"{row.stock} | {row.plugin} | {row.does}",
                 flush=True,
             )
@@ -459,26 +624,43 @@ def main(argv: list[str] | None = None) -> int:
             if args.verbose or row.result != "pass":
                 print("    " + row.detail.replace("\n", "\n    "), flush=True)
     total = time.monotonic() - started
-    import vllm_mamba_fix
-
-    note = (
-        f"Generated by `python -m tools.matrix {' '.join(argv or sys.argv[1:])}`".rstrip()
-        + f" with vllm-mamba-fix {vllm_mamba_fix.__version__} on "
-        + time.strftime("%Y-%m-%d")
-        + f" ({len(rows)} releases, {total:.0f} s)."
-    )
+    note = table_note(argv if argv is not None else sys.argv[1:], rows, total)
     table = markdown(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(f"{note}\n\n{table}")
     args.out.with_suffix(".json").write_text(
         json.dumps([asdict(r) for r in rows], indent=1, default=str)
     )
-    if args.readme:
+    unfinished = [r.release for r in rows if r.result == "not run"]
+    if args.readme and unfinished:
+        print(f"{args.readme} not refreshed: {len(unfinished)} releases not run ({unfinished})")
+    elif args.readme:
         update_readme(args.readme, table, note)
     print(f"\n{len(rows)} releases in {total:.0f} s; table written to {args.out}")
     passed = sum(r.result == "pass" for r in rows)
     print(f"matrix: {passed} passed, {len(rows) - passed} failed")  # CI reads this closing line
     return 0 if passed == len(rows) else 1
+
+
+def table_note(argv: list[str], rows: list[Row], total: float) -> str:
+    """The line above the table: command, package version, date, and where the cells came from.
+
+    tests/test_docs.py reads the version and the date from it."""
+    import vllm_mamba_fix
+
+    run = sum(r.cells_run for r in rows)
+    reused = sum(r.cells_reused for r in rows)
+    stored = sorted(s[:10] for r in rows for s in r.stored)
+    tests = sum(r.test_seconds for r in rows)
+    where = f"{run} release/mode cells run now"
+    if reused:
+        span = stored[0] if stored[0] == stored[-1] else f"{stored[0]} to {stored[-1]}"
+        where += f", {reused} reused from runs of the same sources on {span}"
+    return (
+        f"Generated by `python -m tools.matrix {' '.join(argv)}`".rstrip()
+        + f" with vllm-mamba-fix {vllm_mamba_fix.__version__} on {time.strftime('%Y-%m-%d')}"
+        + f" ({len(rows)} releases; {where}; {tests:.0f} s of pytest, {total:.0f} s wall)."
+    )
 
 
 if __name__ == "__main__":
