@@ -67,13 +67,14 @@ def _chunks(result: Any) -> dict[str, list[tuple[int, int]]]:
     return {rid: result.spans(rid) for rid in result.chunks}
 
 
-def _ends_inside_a_block(result: Any) -> bool:
-    """A prefill chunk that ends mid-block before the prompt's end (its state is cached stale)."""
-    return any(
-        end % CACHED and end < result.prompt_len[rid]
+def _ends_inside_a_block(result: Any) -> set[tuple[str, int]]:
+    """Prefill chunk ends inside a cache block, before the prompt's end."""
+    return {
+        (rid, end)
         for rid, spans in _chunks(result).items()
         for _, end in spans
-    )
+        if end % CACHED and end < result.prompt_len[rid]
+    }
 
 
 def test_the_harness_builds_two_units() -> None:
@@ -118,8 +119,8 @@ def test_every_chunk_is_what_vllm_schedules_with_the_block_pinned(
     stock_mismatched = _reuse_run(mismatched, text_only)
     # The bug the rule ends: stock's text chunks end inside cached blocks.
     assert _chunks(stock_mismatched) != _chunks(stock_pinned)
-    assert _ends_inside_a_block(stock_mismatched)
-    assert not _ends_inside_a_block(stock_pinned)
+    # (0.24-0.25 stop at a shared-prefix junction inside a block on their own, pinned or not.)
+    assert _ends_inside_a_block(stock_mismatched) - _ends_inside_a_block(stock_pinned)
 
     assert load_plugin()
     before = stats()["block_rule_chunks"]
@@ -142,12 +143,13 @@ def test_the_switch_leaves_vllms_split_to_the_configured_block(
     cfg = dataclasses.replace(REUSE, configured_block_size=CONFIGURED, configured_after_build=True)
     text_only = tuple(spec for spec in LATER if not spec.has_mm)
     stock = _reuse_run(cfg, text_only)
-    assert load_plugin(VLLM_MAMBA_FIX_BLOCK_RULE="0")
+    # 0.28+: then no rule needs the split wrapped, and nothing watches it.
+    wrapped = load_plugin(VLLM_MAMBA_FIX_BLOCK_RULE="0")
     before = stats()["block_rule_chunks"]
     assert _chunks(_reuse_run(cfg, text_only)) == _chunks(stock)
     assert stats()["block_rule_chunks"] == before
     warned = [m for m in vllm_log if "VLLM_MAMBA_FIX_BLOCK_RULE=0 leaves" in m]
-    assert len(warned) == 1, vllm_log
+    assert len(warned) == (1 if wrapped else 0), vllm_log
 
 
 def test_an_aborted_stalled_request_leaves_no_streak(family: Family, load_plugin) -> None:
