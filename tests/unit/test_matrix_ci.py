@@ -218,3 +218,25 @@ def test_failed_cells_and_cells_of_changed_sources_are_not_stored(
     monkeypatch.setattr(matrix, "_run_cells", runs)
     matrix.run_release("0.27.1", 60, [], ["sync"], keys)
     assert runs.calls == [["base", "sync"]]  # neither run left a cell under this key
+
+
+def test_reuse_sources_finishes_a_regeneration_after_a_commit(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    from tools import matrix
+
+    runs = FakeRuns()
+    monkeypatch.setattr(matrix, "_run_cells", runs)
+    old = _keys(cache)
+    matrix.run_release("0.27.1", 60, [], ["sync"], old)
+    (cache / "vllm_mamba_fix/rules.py").write_text("# a small later commit\n")
+    new = dataclasses.replace(_keys(cache), earlier=(old.sources,))
+    row = matrix.run_release("0.27.1", 60, [], ["sync", "async"], new)
+    assert runs.calls == [["base", "sync"], ["async"]]  # only the unfinished cell runs
+    assert (row.cells_reused, row.earlier) == (2, 2)
+    note = matrix.table_note(["--reuse-sources", old.sources], [row], 1.0)
+    assert "2 from runs of earlier sources (--reuse-sources)" in note
+    with pytest.raises(SystemExit):
+        matrix.main(["--ci", "--reuse-sources", old.sources])
