@@ -126,3 +126,63 @@ def run_server(
         yield server
     finally:
         kill_group(proc, grace_s=15)
+
+
+# --------------------------------------------------------------------------- /metrics
+
+
+def scrape_metrics(base_url: str, prefix: str = "vllm_mamba_fix_") -> dict[str, float]:
+    """The server's ``/metrics`` samples whose name starts with ``prefix``.
+
+    Keyed ``name`` or ``name{label="value",...}`` (labels sorted), as Prometheus shows them.
+    """
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix):
+                samples[sample_key(sample.name, sample.labels)] = sample.value
+    return samples
+
+
+def sample_key(name: str, labels: dict[str, str]) -> str:
+    if not labels:
+        return name
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+
+
+def logging_config_env(workdir: Path, debug_loggers: tuple[str, ...]) -> dict[str, str]:
+    """``VLLM_LOGGING_CONFIG_PATH`` for vLLM at INFO with ``debug_loggers`` at DEBUG.
+
+    vLLM's own DEBUG output would flood the log; only the named loggers (children of
+    ``vllm``, which carry vLLM's handler) get their debug lines.
+    """
+    import json
+
+    path = workdir / "logging.json"
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "plain": {"format": "%(levelname)s %(asctime)s %(name)s %(message)s"},
+        },
+        "handlers": {
+            "out": {
+                "class": "logging.StreamHandler",
+                "formatter": "plain",
+                "level": "DEBUG",
+                "stream": "ext://sys.stdout",
+            },
+        },
+        "loggers": {
+            "vllm": {"handlers": ["out"], "level": "INFO", "propagate": False},
+            **{name: {"level": "DEBUG"} for name in debug_loggers},
+        },
+    }
+    path.write_text(json.dumps(config))
+    return {"VLLM_LOGGING_CONFIG_PATH": str(path)}

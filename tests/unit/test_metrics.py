@@ -1,0 +1,325 @@
+"""metrics.py: counts made in child processes reach the registry vLLM's /metrics serves.
+
+Every check runs in a fresh interpreter: ``attach()`` changes the process environment that
+later ``vllm serve`` starts of the suite would inherit, and the "child" processes must be
+real multiprocessing children, as vLLM's engine cores are. The parent reads the counts
+through vLLM's own ``get_prometheus_registry()``, the function ``/metrics`` is built from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_mamba_fix import counters, metrics
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The parent: optionally attach (what register() does in the API server), start children
+# that count, then read vLLM's registry the way the API server builds /metrics.
+PARENT = """
+import json, multiprocessing as mp, os, sys, threading
+from vllm_mamba_fix import counters, metrics
+from vllm_mamba_fix.decision import Action
+
+def through_counters(n):
+    # The real counting path: counters.record() -> metrics.count().
+    for i in range(n):
+        counters.record(Action.COLLAPSE_PREVENTED, f"req-{{i}}", 256, 256, 256)
+    counters.record_stall()
+
+def direct(batch):
+    metrics.prepare()
+    for key, amount in batch:
+        metrics.count(key, amount)
+
+def beside_prometheus_client(n):
+    # A metric prometheus_client keeps in the same process (multiprocess mode), as vLLM may.
+    import prometheus_client
+    other = prometheus_client.Counter("other_things", "not the plugin's", registry=None)
+    for _ in range(n):
+        other.inc()
+        metrics.count("chunks_realigned")
+        other.inc(2)
+
+def threads(n_threads, n):
+    metrics.prepare()
+    sys.setswitchinterval(1e-6)  # switch threads often: an unlocked read-add-write loses counts
+    def work():
+        for _ in range(n):
+            metrics.count("stalls_ended")
+            metrics.count("block_rule_chunks", 2)
+    ts = [threading.Thread(target=work) for _ in range(n_threads)]
+    for t in ts: t.start()
+    for t in ts: t.join()
+
+def run(method, target, *args):
+    proc = mp.get_context(method).Process(target=target, args=args)
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0, proc.exitcode
+    return proc.pid
+
+if __name__ == "__main__":
+    plan = json.loads(sys.argv[1])
+    if plan.get("attach"):
+        metrics.attach()
+    pids = []
+{body}
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    if plan.get("through_vllm"):
+        import vllm.v1.metrics.prometheus as vllm_prometheus
+
+        if plan.get("vllm_under"):  # the release under test, not the installed one
+            assert vllm_prometheus.__file__.startswith(plan["vllm_under"]), vllm_prometheus.__file__
+        registry = vllm_prometheus.get_prometheus_registry()
+    else:  # what vLLM serves with one API server (the route tests check that it is)
+        from prometheus_client import REGISTRY as registry
+
+    text = generate_latest(registry).decode()
+    samples, types = {{}}, {{}}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith(("vllm_mamba_fix", "other_things")):
+            types[family.name] = family.type
+            for s in family.samples:
+                samples[s.name + json.dumps(s.labels, sort_keys=True)] = s.value
+    directory = metrics._directory()
+    print("RESULT " + json.dumps({{
+        "samples": samples, "types": types, "pids": pids, "parent": os.getpid(),
+        "dir": directory, "private": os.environ.get(metrics.ENV_DIR),
+        "files": sorted(os.listdir(directory)) if directory else [],
+    }}))
+"""
+
+
+# vLLM serves /metrics from vllm.v1.metrics.prometheus.get_prometheus_registry(). The two
+# route tests run it from the installed release and from the oldest, a middle and the newest
+# release's own package (CI's overlays, used when cached: tools.releases downloads them).
+RELEASES = ("installed", "0.15.1", "0.25.1", "0.33.0")
+
+
+@pytest.fixture(params=RELEASES)
+def release_path(request: pytest.FixtureRequest) -> str | None:
+    """PYTHONPATH that puts the release's vllm package first (None: the installed one)."""
+    if request.param == "installed":
+        return None
+    from tools import releases
+
+    overlay = releases.cache_dir() / "overlays" / request.param
+    if not (overlay / "vllm" / "v1" / "metrics" / "prometheus.py").exists():
+        pytest.skip(f"vLLM {request.param} not cached (python -m tools.releases {request.param})")
+    return releases.pythonpath_for(request.param, base=str(REPO))
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (metrics.PROMETHEUS_DIR, metrics.ENV_DIR) and not k.startswith("VLLM_MAMBA")
+    }
+    env.update(extra)
+    return env
+
+
+def _run(tmp_path: Path, body: str, plan: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT.format(body=textwrap.indent(textwrap.dedent(body), "    ")))
+    run = subprocess.run(
+        [sys.executable, str(script), json.dumps(plan)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "Traceback" not in output, output
+    line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def _key(series: metrics.Series) -> str:
+    return series.sample + json.dumps(dict(series.labels), sort_keys=True)
+
+
+def _expected(counts: dict[str, float]) -> dict[str, float]:
+    """Every series, at the given stats()-key counts (0 where absent)."""
+    return {_key(series): float(counts.get(key, 0)) for key, series in metrics.SERIES.items()}
+
+
+def test_series_cover_every_stats_key() -> None:
+    assert set(metrics.SERIES) == set(counters.KEYS)
+    keys = [_key(series) for series in metrics.SERIES.values()]
+    assert len(set(keys)) == len(keys)  # no two stats() keys share a series
+    for series in metrics.SERIES.values():
+        assert series.metric.startswith("vllm_mamba_fix_") and not series.metric.endswith("_total")
+    # One help text per metric name: MultiProcessCollector keeps the first it reads.
+    helps: dict[str, set[str]] = {}
+    for series in metrics.SERIES.values():
+        helps.setdefault(series.metric, set()).add(series.help)
+    assert all(len(texts) == 1 for texts in helps.values())
+
+
+CHILDREN = """
+pids.append(run("spawn", through_counters, 3))
+pids.append(run("fork", direct, [["collapses_prevented", 2], ["speculative_stalls_released", 4],
+                                  ["stalls_ended", 1]]))
+"""
+CHILD_COUNTS = {
+    "collapses_prevented": 3 + 2,
+    "stalls_detected": 1,
+    "speculative_stalls_released": 4,
+    "stalls_ended": 1,
+}
+
+
+def _check_children(result: dict[str, Any]) -> None:
+    assert result["samples"] == _expected(CHILD_COUNTS)
+    assert set(result["types"].values()) == {"counter"}
+    # One file per child under its own name; the parent counted nothing and wrote none.
+    assert result["files"] == sorted(f"{metrics.FILE_PREFIX}{pid}.db" for pid in result["pids"])
+
+
+def _release_env(release_path: str | None, **extra: str) -> tuple[dict[str, str], dict[str, Any]]:
+    plan: dict[str, Any] = {"attach": True, "through_vllm": True}
+    if release_path is None:
+        return _clean_env(**extra), plan
+    plan["vllm_under"] = release_path.split(os.pathsep)[0]
+    return _clean_env(PYTHONPATH=release_path, **extra), plan
+
+
+def test_children_reach_vllms_multiprocess_registry(
+    tmp_path: Path, release_path: str | None
+) -> None:
+    """vLLM's route for --api-server-count > 1 (or a user's PROMETHEUS_MULTIPROC_DIR)."""
+    shared = tmp_path / "prom"
+    shared.mkdir()
+    env, plan = _release_env(release_path, PROMETHEUS_MULTIPROC_DIR=str(shared))
+    result = _run(tmp_path, CHILDREN, plan, env)
+    _check_children(result)
+    assert result["dir"] == str(shared)
+    assert result["private"] is None  # attach() leaves vLLM's directory alone
+
+
+def test_a_prometheus_client_metric_in_the_same_process_keeps_its_file(tmp_path: Path) -> None:
+    shared = tmp_path / "prom"
+    shared.mkdir()
+    body = 'pids.append(run("spawn", beside_prometheus_client, 50))'
+    env = _clean_env(PROMETHEUS_MULTIPROC_DIR=str(shared))
+    result = _run(tmp_path, body, {"through_vllm": True}, env)
+    assert result["samples"] == {
+        "other_things_total{}": 150.0,
+        _key(metrics.SERIES["chunks_realigned"]): 50.0,
+    }
+    pid = result["pids"][0]
+    assert result["files"] == sorted([f"counter_{pid}.db", f"{metrics.FILE_PREFIX}{pid}.db"])
+
+
+def test_children_reach_the_api_servers_registry(tmp_path: Path, release_path: str | None) -> None:
+    """The default single API server: vLLM serves the global REGISTRY of its own process."""
+    env, plan = _release_env(release_path)
+    result = _run(tmp_path, CHILDREN, plan, env)
+    _check_children(result)
+    assert result["dir"] == result["private"]
+    assert not Path(result["private"]).exists()  # removed when the API server exited
+
+
+def test_an_inherited_private_dir_is_replaced(tmp_path: Path) -> None:
+    """A program that loaded the plugin, then started ``vllm serve``: the server reads its own."""
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    result = _run(tmp_path, CHILDREN, {"attach": True}, _clean_env(**{metrics.ENV_DIR: str(stale)}))
+    _check_children(result)
+    assert result["private"] != str(stale)
+    assert list(stale.iterdir()) == []
+
+
+def test_prepare_makes_every_series_at_zero(tmp_path: Path) -> None:
+    body = 'pids.append(run("spawn", direct, []))'
+    result = _run(tmp_path, body, {"attach": True}, _clean_env())
+    assert result["samples"] == _expected({})
+    assert set(result["types"]) == {s.metric for s in metrics.SERIES.values()}
+
+
+def test_a_forked_child_writes_its_own_file(tmp_path: Path) -> None:
+    """The parent counts first (its writer is open), then a forked child counts too."""
+    body = """
+    metrics.count("chunks_realigned", 5)
+    pids.append(os.getpid())
+    pids.append(run("fork", direct, [["chunks_realigned", 7]]))
+    """
+    result = _run(tmp_path, body, {"attach": True}, _clean_env())
+    assert result["samples"] == _expected({"chunks_realigned": 12})
+    assert result["files"] == sorted(f"{metrics.FILE_PREFIX}{pid}.db" for pid in result["pids"])
+
+
+def test_concurrent_counts_are_exact(tmp_path: Path) -> None:
+    body = 'pids.append(run("spawn", threads, 8, 3000))'
+    result = _run(tmp_path, body, {"attach": True}, _clean_env())
+    assert result["samples"] == _expected({"stalls_ended": 8 * 3000, "block_rule_chunks": 8 * 6000})
+
+
+def test_an_engine_in_this_process_is_served_here(tmp_path: Path) -> None:
+    """No API server attached (in-process engine): counts still reach this REGISTRY."""
+    body = 'metrics.count("stalls_detected", 2)\npids.append(os.getpid())'
+    result = _run(tmp_path, body, {"attach": False}, _clean_env())
+    assert result["samples"] == {_key(metrics.SERIES["stalls_detected"]): 2.0}
+    assert result["private"] is None  # nothing exported to children
+
+
+BLOCKED = """
+import importlib.abc, logging, os, sys
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "prometheus_client" or name.startswith("prometheus_client."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+        return None
+
+sys.meta_path.insert(0, Blocker())
+logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s %(message)s")
+from vllm_mamba_fix import counters, metrics
+from vllm_mamba_fix.decision import Action
+metrics.attach()
+metrics.prepare()
+for _ in range(3):
+    metrics.count("collapses_prevented")
+counters.record(Action.COLLAPSE_PREVENTED, "req-1", 256, 256, 256)
+counters.record_stall_ended()
+support = metrics.support()
+print("RESULT", support.available, support.reason)
+print("RESULT stats", counters.stats()["collapses_prevented"], counters.stats()["stalls_ended"])
+print("RESULT env", os.environ.get(metrics.ENV_DIR))
+print("RESULT imported", "prometheus_client" in sys.modules)
+"""
+
+
+def test_without_prometheus_client_nothing_raises(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", BLOCKED],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        cwd=tmp_path,
+        timeout=120,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0 and "Traceback" not in output, output
+    assert "RESULT False prometheus_client is not importable" in output
+    assert "RESULT stats 1 1" in output  # the plugin's own counters still count
+    assert "RESULT env None" in output and "RESULT imported False" in output
+    said = [
+        line
+        for line in output.splitlines()
+        if "vllm.mamba_fix" in line and "prometheus_client" in line and not line.startswith("DEBUG")
+    ]
+    assert len(said) == 1 and said[0].startswith("INFO"), output
