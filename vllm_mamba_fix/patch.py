@@ -5,8 +5,11 @@ Two moments:
 - :func:`install_on_base` when the scheduler module is imported: the rules the
   base ``Scheduler`` needs, plus ``__init__`` (so every built scheduler is
   checked) and ``_free_request`` (so per-request state ends with the request);
-- :func:`settle_class` when a scheduler is built: for the class the engine really
-  built, make what it resolves carry the rules its own code needs, and record it.
+- :func:`settle_method` when a scheduler is built: the per-construction check
+  (``vllm_mamba_fix.plugin``) settles the class the engine really built one
+  rule-carrying method at a time, so that what the class resolves carries the
+  rules its own code needs; :func:`describe_method` says what it resolves to
+  (a :class:`~vllm_mamba_fix.record.MethodRecord`), and plugin records it.
 
 Every change is logged in one list, so :func:`undo` restores exactly what was
 there (a method the class did not define is deleted again). Idempotent: a

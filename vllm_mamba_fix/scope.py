@@ -18,6 +18,11 @@ ScopeHook = Callable[..., "bool | None"]
 
 
 def builtin_in_scope(request: Any, scope: Scope) -> bool:
+    """The built-in rule: ``multimodal``, requests with encoder inputs; ``all``, every request.
+
+    The one copy: answered directly when no third-party rule is installed, and by
+    :class:`vllm_mamba_fix.hookspecs.BuiltinScope` as the hook's last impl otherwise.
+    """
     return scope is Scope.ALL or bool(request.has_encoder_inputs)
 
 
@@ -30,8 +35,7 @@ def load_third_party_hook() -> ScopeHook | None:
 
         manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         manager.add_hookspecs(hookspecs.ScopeSpec)
-        manager.register(hookspecs.MultimodalScope(), name="builtin-multimodal")
-        manager.register(hookspecs.AllScope(), name="builtin-all")
+        manager.register(hookspecs.BuiltinScope(), name="builtin")
         loaded = manager.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
     except Exception as exc:
         logger.warning(

@@ -1,7 +1,9 @@
 """Release data: how each vLLM family behaves, read from every release's scheduler (0.15.0-0.33.0).
 
 Pure data and ``packaging``; no vLLM import. :mod:`vllm_mamba_fix.policy` turns
-this, the settings and the code evidence into the rules to install.
+this, the settings and the code evidence into the rules to install. Only what the
+plugin reads is here; what stock does per family that only the tests expect (the cut
+shift, where the image deadlock is, ...) is in ``tools/release_facts.py``.
 """
 
 from __future__ import annotations
@@ -19,13 +21,6 @@ class PrefillGate(enum.Enum):
     BEFORE_PREFILL_END = "start < max(num_prompt_tokens, num_tokens - 1)"  # 0.17+
 
 
-class CutShift(enum.Enum):
-    """How ``schedule()`` shifts an encoder-limited cut under EAGLE-type speculation."""
-
-    USE_EAGLE = "1 if use_eagle"  # 0.15-0.27
-    PREFILL_LOOKAHEAD = "num_prefill_lookahead"  # 0.28+: num_spec_tokens for multi-module MTP
-
-
 class Verdict(enum.Enum):
     PATCH = "patch"  # affected: the split fix is needed
     NOT_NEEDED = "not-needed"  # fixed upstream
@@ -41,12 +36,6 @@ class Family:
     verdict: Verdict  # of the split rule
     summary: str
     prefill_gate: PrefillGate | None = PrefillGate.BEFORE_PREFILL_END
-    # Stock keeps a request that starts mid-block misaligned: re-align is vital.
-    stock_stays_misaligned: bool = False
-    # Stock budgets the encoder before the split, so a sub-block cut becomes 0.
-    image_deadlock: bool = True
-    extra_parameter: bool = False  # 0.24-0.25 pass a fifth positional argument
-    cut_shift: CutShift = CutShift.USE_EAGLE
     # Stock defers an encoder-cache free by the drafter's look-ahead (#46315),
     # which parks a request whose images sit < 2 look-aheads apart.
     deferred_encoder_free: bool = False
@@ -62,21 +51,20 @@ _DEFERRED_FREE = "encoder free deferred by the drafter's look-ahead"
 FAMILIES: tuple[Family, ...] = (
     Family(
         "<0.15", (0, 0, 0), (0, 15, 0), Verdict.ABSENT, "method absent; nothing to patch",
-        prefill_gate=None, image_deadlock=False, drafter_fallback=False,
+        prefill_gate=None, drafter_fallback=False,
     ),
     Family(
         "0.15", (0, 15, 0), (0, 17, 0), Verdict.PATCH, f"chunk-length alignment; {_AFTER_ENCODER}",
-        prefill_gate=PrefillGate.NO_OUTPUT_TOKENS, stock_stays_misaligned=True,
-        drafter_fallback=False,
+        prefill_gate=PrefillGate.NO_OUTPUT_TOKENS, drafter_fallback=False,
     ),
     Family(
         "0.17", (0, 17, 0), (0, 24, 0), Verdict.PATCH, f"chunk-length alignment; {_AFTER_ENCODER}",
-        stock_stays_misaligned=True, drafter_fallback=False,
+        drafter_fallback=False,
     ),
     Family(
         "0.24", (0, 24, 0), (0, 26, 0), Verdict.PATCH,
         f"chunk-length alignment, fifth parameter; {_AFTER_ENCODER}; {_DEFERRED_FREE}",
-        stock_stays_misaligned=True, extra_parameter=True, deferred_encoder_free=True,
+        deferred_encoder_free=True,
     ),
     Family(
         "0.26", (0, 26, 0), (0, 27, 0), Verdict.PATCH,
@@ -90,19 +78,17 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "0.28", (0, 28, 0), (0, 33, 0), Verdict.NOT_NEEDED,
         f"upstream splits before encoder budgeting (vLLM #51603); {_DEFERRED_FREE}",
-        image_deadlock=False, cut_shift=CutShift.PREFILL_LOOKAHEAD, deferred_encoder_free=True,
+        deferred_encoder_free=True,
     ),
     Family(
         "0.33+", (0, 33, 0), None, Verdict.NOT_NEEDED,
         "upstream splits before encoder budgeting and frees encoder inputs without delay",
-        image_deadlock=False, cut_shift=CutShift.PREFILL_LOOKAHEAD,
     ),
 )  # fmt: skip
 
 # Used with VLLM_MAMBA_FIX=force when the version cannot be read.
 UNKNOWN_FAMILY = Family(
-    "unknown", (0, 0, 0), None, Verdict.UNKNOWN, "version not recognised", image_deadlock=False,
-    cut_shift=CutShift.PREFILL_LOOKAHEAD, drafter_fallback=False,
+    "unknown", (0, 0, 0), None, Verdict.UNKNOWN, "version not recognised", drafter_fallback=False,
 )  # fmt: skip
 
 

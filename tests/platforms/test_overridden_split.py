@@ -18,6 +18,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
 from tools import scenarios as sc
 from tools import sched_harness as harness
+from tools.release_facts import facts_for
 from vllm_mamba_fix import record
 from vllm_mamba_fix.record import MethodState
 from vllm_mamba_fix.targets import MARKER, SPLIT_METHOD
@@ -48,7 +49,7 @@ QUALNAME = f"{__name__}.{HPUStyleAsyncScheduler.__qualname__}"
 
 
 def test_override_is_named_not_wrapped(plugin_log: pytest.LogCaptureFixture) -> None:
-    if not family_for(harness.vllm_version()).image_deadlock:
+    if not facts_for(family_for(harness.vllm_version())).image_deadlock:
         pytest.skip("on a fixed vLLM no split rule applies to this class")
     own = HPUStyleAsyncScheduler.__dict__[SPLIT_METHOD]
     harness.load_plugins()

@@ -22,6 +22,7 @@ import pytest
 
 from tools import scenarios as sc
 from tools import sched_harness as harness
+from tools.release_facts import facts_for
 from vllm_mamba_fix import record
 from vllm_mamba_fix.record import MethodState
 from vllm_mamba_fix.targets import MARKER, SPLIT_METHOD
@@ -34,7 +35,7 @@ SCENARIO = sc.TWO_IMAGES
 
 @pytest.fixture
 def scheduler_cls() -> type:
-    if not family_for(harness.vllm_version()).image_deadlock:
+    if not facts_for(family_for(harness.vllm_version())).image_deadlock:
         pytest.skip("the stand-in's copy floors like 0.27 and earlier; this vLLM is fixed")
     from vllm.v1.core.sched.scheduler import Scheduler
 

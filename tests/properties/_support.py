@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from tools import prop_adapters as pa
 from tools.prop_adapters import PropRequest, PropScenario, Trace
+from tools.release_facts import facts_for
 from tools.scenarios import (
     deferred_free_hang,
     deferred_free_hang_gap,
@@ -73,7 +74,7 @@ def _family() -> Any:
 
 
 FAMILY = _family()
-CHUNK_LENGTH_FAMILY = FAMILY.stock_stays_misaligned
+CHUNK_LENGTH_FAMILY = facts_for(FAMILY).stock_stays_misaligned
 # Before 0.27 (which added a guard for blocks wider than the prefill cap) stock
 # floors every sub-block chunk of a text request to 0, so a budget or
 # long-prefill threshold below one block hangs text on stock.

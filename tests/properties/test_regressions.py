@@ -42,6 +42,7 @@ from tests.properties._support import (
 )
 from tools import prop_adapters as pa
 from tools.prop_adapters import PropRequest, PropScenario
+from tools.release_facts import facts_for
 from tools.sched_harness import Mode
 
 SUB_BLOCK_TEXT = PropScenario(
@@ -153,7 +154,7 @@ def test_image_gap_examples(sched_mode: Mode, gap: int) -> None:
 def test_invariant_2_fails_without_realign() -> None:
     """The checks can fail: without the re-align rule, invariant 2 breaks where stock
     keeps a mid-block start misaligned (0.15-0.25); with it, it holds."""
-    if not FAMILY.stock_stays_misaligned:
+    if not facts_for(FAMILY).stock_stays_misaligned:
         pytest.skip(f"family {FAMILY.name} re-aligns on its own")
     with pa.wrapped_without_realign():
         broken = pa.drive(SMALL_TWO_IMAGES, max_steps=40)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import inspect
 
+from tools.release_facts import CutShift, facts_for
 from vllm_mamba_fix import targets
 from vllm_mamba_fix.evidence import read_evidence
-from vllm_mamba_fix.versions import CutShift, Family, Verdict
+from vllm_mamba_fix.versions import Family, Verdict
 
 
 def _scheduler() -> type:
@@ -37,5 +38,5 @@ def test_the_cut_shift_is_the_one_the_family_names(family: Family) -> None:
     expected = {
         CutShift.USE_EAGLE: "shift_computed_tokens=1 if self.use_eagle else 0",
         CutShift.PREFILL_LOOKAHEAD: "shift_computed_tokens=self.num_prefill_lookahead",
-    }[family.cut_shift]
+    }[facts_for(family).cut_shift]
     assert source.count(expected) == 2  # the running and the waiting loop

@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import InstallScopeRule
 from tools import scenarios as sc
+from tools.release_facts import facts_for
 from vllm_mamba_fix import records, stats
 from vllm_mamba_fix.counters import reset
 from vllm_mamba_fix.versions import Family
@@ -23,7 +24,7 @@ COUNTER_OF_ACTION = {
 
 @pytest.fixture(autouse=True)
 def affected_release(family: Family) -> None:
-    if not family.image_deadlock:
+    if not facts_for(family).image_deadlock:
         pytest.skip(f"family {family.name}: the plugin does not correct anything by default")
     reset()
 

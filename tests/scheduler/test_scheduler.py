@@ -14,6 +14,7 @@ import pytest
 from tests.scheduler.conftest import wrapped_without_realign
 from tools import scenarios as sc
 from tools import sched_harness as harness
+from tools.release_facts import facts_for
 from tools.sched_harness import Mode
 from vllm_mamba_fix.versions import Family, Verdict, release_of
 
@@ -106,7 +107,7 @@ def test_stock_stalls_on_affected_releases(
 ) -> None:
     _runs_in(scenario, sched_mode)
     result = scenario.run(sched_mode)
-    if family.image_deadlock:
+    if facts_for(family).image_deadlock:
         assert result.stalled, f"stock completed on an affected release: {result.chunks}"
         assert not result.completed
         # Stalled for good, well before the prompt end.
@@ -122,7 +123,7 @@ def test_stock_encoder_cut_honours_the_eagle_shift(family: Family, sched_mode: M
     start (11850), one token earlier under MTP: use_eagle comes from the real config."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    if not family.image_deadlock:
+    if not facts_for(family).image_deadlock:
         pytest.skip(f"family {family.name} splits before encoder budgeting (cut not seen)")
 
     original = Scheduler.__dict__["_mamba_block_aligned_split"]
@@ -229,7 +230,7 @@ def test_no_mid_block_chunk_crosses_a_boundary(
 
 def test_queue_text_request_starves_on_stock(family: Family, sched_mode: Mode) -> None:
     result = sc.QUEUE.run(sched_mode)
-    if family.image_deadlock:
+    if facts_for(family).image_deadlock:
         assert result.spans("waiting-image") == []  # waiting loop got 0 and broke
         assert result.spans("waiting-text") == []  # ... so the text request never started
     else:
@@ -252,7 +253,7 @@ def test_realign_rule_needed_exactly_on_chunk_length_families(
         result = sc.TWO_IMAGES.run(sched_mode)
     assert result.completed
     crossing = result.violations()
-    if family.stock_stays_misaligned:
+    if facts_for(family).stock_stays_misaligned:
         assert crossing, f"expected boundary-crossing chunks: {result.chunks}"
     else:
         assert crossing == []
@@ -288,7 +289,7 @@ def test_extra_arguments_pass_through(family: Family, load_plugin: Any) -> None:
     assert result.completed
     assert outer_calls and all(call in inner_calls for call in outer_calls)
     extra_counts = {len(args) + len(kwargs) for _, _, args, kwargs in outer_calls}
-    assert (3 in extra_counts) == family.extra_parameter, extra_counts
+    assert (3 in extra_counts) == facts_for(family).extra_parameter, extra_counts
 
 
 def test_default_policy_and_log_line(family: Family, load_plugin: Any, vllm_log: list[str]) -> None:

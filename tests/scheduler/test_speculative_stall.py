@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tools import sched_harness as harness
+from tools.release_facts import facts_for
 from tools.scenarios import ISSUE_CONFIG, image_request, text_request
 from tools.sched_harness import Mode, RunResult
 from vllm_mamba_fix.versions import Family, release_of
@@ -59,7 +60,7 @@ def _speculative_stall_on_stock(family: Family, gap: int) -> bool:
 def test_stock(family: Family, sched_mode: Mode, gap: int) -> None:
     mode = _speculative(sched_mode)
     result = _run(mode, gap)
-    expected = family.image_deadlock or _speculative_stall_on_stock(family, gap)
+    expected = facts_for(family).image_deadlock or _speculative_stall_on_stock(family, gap)
     assert result.completed is not expected, (gap, result.stall_at, result.chunks)
     if expected:
         assert "spec-image" in result.stall_at
@@ -71,7 +72,7 @@ def test_plugin(family: Family, sched_mode: Mode, gap: int, load_plugin: Any) ->
     stock = _run(mode, gap)
     active = load_plugin()
     if not active and not _encoder_is_wrapped():
-        assert not _speculative_stall_on_stock(family, gap) and not family.image_deadlock
+        assert not _speculative_stall_on_stock(family, gap) and not facts_for(family).image_deadlock
         pytest.skip(f"family {family.name}: nothing to do by default")
     patched = _run(mode, gap)
     if _speculative_stall_on_stock(family, gap) and not family.drafter_fallback:
@@ -94,7 +95,7 @@ def test_watchdog_names_the_stall(
     if not _speculative_stall_on_stock(family, 0) or family.drafter_fallback:
         pytest.skip(f"family {family.name}: the plugin ends this stall or there is none")
     monkeypatch.setenv("VLLM_MAMBA_FIX_STALL_SECONDS", "0")
-    assert load_plugin() == family.image_deadlock
+    assert load_plugin() == facts_for(family).image_deadlock
     assert _encoder_is_wrapped()
     result = _run(mode, 0)
     assert not result.completed

@@ -16,6 +16,7 @@ import pytest
 
 from tools import scenarios as sc
 from tools import sched_harness as harness
+from tools.release_facts import facts_for
 from tools.sched_harness import Mode
 from vllm_mamba_fix.versions import Family, Verdict
 
@@ -100,7 +101,7 @@ def test_encoder_cache_holds_one_video_only(scenario: sc.Scenario) -> None:
 def test_stock_stalls_on_videos(family: Family, scenario: sc.Scenario, sched_mode: Mode) -> None:
     _skip_if_out_of(scenario, sched_mode, with_plugin=False)
     result = scenario.run(sched_mode)
-    if family.image_deadlock:
+    if facts_for(family).image_deadlock:
         assert result.stalled and not result.completed, result.chunks
         assert all(at < result.prompt_len[rid] for rid, at in result.stall_at.items())
         # The split floored the encoder cut to a block boundary.

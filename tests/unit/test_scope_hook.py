@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import InstallScopeRule
 from vllm_mamba_fix.config import Scope
 from vllm_mamba_fix.hookspecs import ENTRY_POINT_GROUP
-from vllm_mamba_fix.scope import ScopePolicy
+from vllm_mamba_fix.scope import ScopePolicy, builtin_in_scope, load_third_party_hook
 
 TEXT = SimpleNamespace(request_id="text", has_encoder_inputs=False, priority=0)
 IMAGE = SimpleNamespace(request_id="image", has_encoder_inputs=True, priority=0)
@@ -43,6 +43,30 @@ def test_third_party_rule_is_honoured(install_scope_rule: InstallScopeRule) -> N
     assert policy.in_scope(VIP_TEXT)  # the rule widens the scope
     assert not policy.in_scope(IMAGE)  # and narrows it
     assert not policy.in_scope(TEXT)  # None defers to the built-in rule
+
+
+def test_the_hook_ends_with_the_one_builtin_rule(install_scope_rule: InstallScopeRule) -> None:
+    install_scope_rule(
+        "deferring_scope",
+        """
+        from vllm_mamba_fix.hookspecs import hookimpl
+
+        @hookimpl
+        def mamba_fix_in_scope(request, scope):
+            return None
+        """,
+    )
+    hook = load_third_party_hook()
+    assert hook is not None
+    # Where every third-party rule defers, the hook's own last impl answers, as
+    # builtin_in_scope does; a scope it does not know is deferred, never guessed.
+    for scope in Scope:
+        for request in (TEXT, IMAGE):
+            assert hook(request=request, scope=scope.value) is builtin_in_scope(request, scope)
+    assert hook(request=IMAGE, scope="no-such-scope") is None
+    builtin = [impl for impl in hook.get_hookimpls() if impl.plugin_name == "builtin"]
+    assert len(builtin) == 1 and builtin[0].trylast
+    assert hook.get_hookimpls()[0] is builtin[0]  # pluggy calls the list last to first
 
 
 def test_failing_rule_falls_back_with_one_warning(

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from tools.release_facts import FACTS, CutShift, facts_for
 from vllm_mamba_fix.config import Mode, Settings, load_settings
 from vllm_mamba_fix.evidence import UNREADABLE, Evidence
 from vllm_mamba_fix.plugin import PREFLIGHT_LOG_LEVEL
@@ -13,7 +14,7 @@ from vllm_mamba_fix.policy import Preflight, Rule, preflight
 from vllm_mamba_fix.rules import plan
 from vllm_mamba_fix.versions import (
     FAMILIES,
-    CutShift,
+    UNKNOWN_FAMILY,
     PrefillGate,
     Verdict,
     family_for,
@@ -62,16 +63,26 @@ def test_families_tile_the_version_line() -> None:
 def test_family_facts_match_the_release_notes() -> None:
     affected = [f.name for f in FAMILIES if f.verdict is Verdict.PATCH]
     assert affected == ["0.15", "0.17", "0.24", "0.26", "0.27"]
-    assert [f.name for f in FAMILIES if f.stock_stays_misaligned] == ["0.15", "0.17", "0.24"]
-    assert [f.name for f in FAMILIES if f.extra_parameter] == ["0.24"]
+    misaligned = [f.name for f in FAMILIES if facts_for(f).stock_stays_misaligned]
+    assert misaligned == ["0.15", "0.17", "0.24"]
+    assert [f.name for f in FAMILIES if facts_for(f).extra_parameter] == ["0.24"]
+    # The image deadlock is the split rule's: where the release data patches, and only there.
+    deadlocked = [f.name for f in FAMILIES if facts_for(f).image_deadlock]
+    assert deadlocked == affected
     assert family_for("0.16.0").prefill_gate is PrefillGate.NO_OUTPUT_TOKENS
     assert family_for("0.17.0").prefill_gate is PrefillGate.BEFORE_PREFILL_END
     # #46315 (deferred free and the runner's fallback) landed in 0.24.0; 0.33 dropped the delay.
     deferred = [f.name for f in FAMILIES if f.deferred_encoder_free]
     assert deferred == ["0.24", "0.26", "0.27", "0.28"]
     assert all(f.drafter_fallback for f in FAMILIES if f.deferred_encoder_free)
-    lookahead = [f.name for f in FAMILIES if f.cut_shift is CutShift.PREFILL_LOOKAHEAD]
+    lookahead = [f.name for f in FAMILIES if facts_for(f).cut_shift is CutShift.PREFILL_LOOKAHEAD]
     assert lookahead == ["0.28", "0.33+"]
+
+
+def test_every_family_has_its_release_facts() -> None:
+    assert set(FACTS) == {f.name for f in (*FAMILIES, UNKNOWN_FAMILY)}
+    assert all(facts.family == name for name, facts in FACTS.items())
+    assert facts_for("0.27") is facts_for(family_for("0.27.1"))
 
 
 @pytest.mark.parametrize(
