@@ -239,12 +239,12 @@ def plugin_active() -> Iterator[str]:
         harness.unload_plugin()
         harness.load_plugins()
         mode = "default"
-        if not harness.split_is_wrapped():
+        if not harness.split_rule_installed():
             os.environ["VLLM_MAMBA_FIX"] = "force"
             harness.unload_plugin()
             harness.load_plugins()
             mode = "force"
-        assert harness.split_is_wrapped(), "the plugin did not patch the scheduler"
+        assert harness.split_rule_installed(), "the plugin did not patch the scheduler"
         try:
             yield mode
         finally:

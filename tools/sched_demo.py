@@ -88,7 +88,7 @@ def main() -> int:
     stock_completed = _run("stock")
     harness.load_plugins()  # vLLM's load_general_plugins(), as the engine core calls it
     print(_plugin_origin())
-    if not harness.split_is_wrapped():
+    if not harness.split_rule_installed():
         print("the plugin did not patch the scheduler (see `vllm-mamba-fix doctor`)")
         for line in PLUGIN_LINES.take():
             print(f"      plugin: {line}")

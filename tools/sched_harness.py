@@ -1306,6 +1306,19 @@ def unload_plugin() -> None:
     vllm_mamba_fix.unregister()
 
 
+def split_rule_installed() -> bool:
+    """Whether the base split carries the plugin's split (deadlock) rule.
+
+    Not merely wrapped: from 0.4.0 the block-unit rule wraps the split on every release.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_mamba_fix.targets import MARKER
+
+    options = getattr(Scheduler.__dict__.get("_mamba_block_aligned_split"), MARKER, None)
+    return bool(getattr(options, "deadlock_rules", False))
+
+
 def split_is_wrapped() -> bool:
     """Whether Scheduler._mamba_block_aligned_split is currently a wrapper, not vLLM's own."""
     from vllm.v1.core.sched.scheduler import Scheduler

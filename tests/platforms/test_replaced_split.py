@@ -111,7 +111,7 @@ def test_copy_assigned_after_the_plugin_is_wrapped_and_named(
     assign_copy: Callable[[], Any], scheduler_cls: type, plugin_log: pytest.LogCaptureFixture
 ) -> None:
     harness.load_plugins()
-    assert harness.split_is_wrapped()
+    assert harness.split_rule_installed()
     assign_copy()  # our wrapper is gone from Scheduler
     assert not hasattr(scheduler_cls.__dict__[SPLIT_METHOD], MARKER)
     result = _run()

@@ -59,13 +59,14 @@ def stock_scheduler(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture
 def load_plugin(monkeypatch: pytest.MonkeyPatch):
-    """Load the plugin through vLLM's own `load_general_plugins()`, with env settings."""
+    """Load the plugin through vLLM's own `load_general_plugins()`, with env settings;
+    returns whether the split rule is installed (the block-unit rule wraps the split anyway)."""
 
     def _load(**env: str) -> bool:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         harness.load_plugins()
-        return harness.split_is_wrapped()
+        return harness.split_rule_installed()
 
     return _load
 

@@ -301,10 +301,10 @@ def test_default_policy_and_log_line(family: Family, load_plugin: Any, vllm_log:
     if _affected(family):
         assert f"{built}split [" in text and f"family {family.name}," in text, text
     else:
-        # The split stays vLLM's; other rules may be active (the speculative-stall
-        # rule on 0.28-0.32), or nothing is ("not needed").
+        # No split rule; the block-unit rule (every release) leads the line, with the
+        # speculative-stall rule on 0.28-0.32.
         assert f"{built}split [" not in text, text
-        assert "not needed" in text or f"{built}speculative-stall" in text, text
+        assert f"{built}block-unit [" in text, text
 
 
 @EVERY
