@@ -1,22 +1,22 @@
-"""The wrapper of ``Scheduler._try_schedule_encoder_inputs``: the speculative-stall rule and
-the stall watchdog. Only a result of 0 tokens is looked at; every other call returns
-vLLM's result after one dict check.
+"""The wrapper of ``Scheduler._try_schedule_encoder_inputs``: the speculative-stall rule,
+the stall watchdog and the stall end's decision (:mod:`vllm_mamba_fix.stall_end` ends the
+request). Only a result of 0 tokens is looked at; every other call returns vLLM's result
+after one dict check.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix import counters
-from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.blocks import block_unit_of
+from vllm_mamba_fix import counters, stall_watch, stalls
+from vllm_mamba_fix.blocks import block_size_of
 from vllm_mamba_fix.decision import Action, speculative_stall_release, unshifted_cut_needed
 from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.stalls import REPEATED, StallReport, ZeroStreaks, stall_cause, watchdog_due
+from vllm_mamba_fix.stall_watch import log_moving_again
+from vllm_mamba_fix.stalls import REPEATED, ZeroStreaks, watchdog_due
 from vllm_mamba_fix.targets import MARKER
 from vllm_mamba_fix.wrappers import failure_reporter
 
@@ -34,13 +34,6 @@ class EncoderOptions:
     end_stalls_after: float | None = None
 
 
-def _num_embeds(request: Any, input_id: int) -> int:
-    getter = getattr(request, "get_num_encoder_embeds", None)
-    if getter is not None:
-        return int(getter(input_id))
-    return int(request.mm_features[input_id].mm_position.length)
-
-
 def _free_encoder_input(scheduler: Any, request: Any, input_id: int) -> None:
     """Free through vLLM's own path, so the freed entry reaches the workers as usual."""
     free = getattr(scheduler, "_free_encoder_input", None)  # 0.32+: also tells the EC connector
@@ -55,46 +48,6 @@ def _placeholder(request: Any, input_id: int) -> tuple[int, int]:
     return position.offset, position.length
 
 
-def _stall_report(
-    scheduler: Any,
-    request: Any,
-    computed: int,
-    held: dict[int, tuple[int, int]],
-    speculative: bool,
-    steps: int,
-    seconds: float,
-) -> StallReport:
-    manager = scheduler.encoder_cache_manager
-    waited = next(
-        (
-            i
-            for i, feature in enumerate(request.mm_features)
-            if i not in held and feature.mm_position.offset + feature.mm_position.length > computed
-        ),
-        None,
-    )
-    waited_facts = None
-    if waited is not None:
-        position = request.mm_features[waited].mm_position
-        waited_facts = (position.offset, position.length, _num_embeds(request, waited))
-    budget = int(getattr(scheduler, "max_num_encoder_input_tokens", manager.cache_size))
-    return StallReport(
-        request_id=request.request_id,
-        position=computed,
-        prompt_tokens=request.num_prompt_tokens,
-        steps=steps,
-        seconds=seconds,
-        held=tuple(held[i] for i in sorted(held)),
-        waited=waited_facts,
-        cache_size=manager.cache_size,
-        cache_free=manager.num_free_slots,
-        compute_budget=budget,
-        cause=stall_cause(
-            speculative, waited_facts[2] if waited_facts else None, manager.cache_size, budget
-        ),
-    )
-
-
 EncoderResult = tuple[Any, ...]
 
 
@@ -105,12 +58,11 @@ def make_encoder_wrapper(
     zeros = ZeroStreaks()
     streaks = zeros.by_request
     fall_back = failure_reporter("the encoder-input check")
-    clock = time.monotonic
 
     def on_progress(request: Any) -> None:
         streak = zeros.clear(request.request_id)
         if streak is not None and streak.warned:
-            _log_moving_again(request.request_id, streak.position)
+            log_moving_again(request.request_id, streak.position)
 
     def on_zero(
         self: Any,
@@ -124,10 +76,10 @@ def make_encoder_wrapper(
         if not options.scope.in_scope(request):
             return result
         rid = request.request_id
-        now = clock()
+        now = stalls.clock()
         streak, moved = zeros.zero(rid, num_computed_tokens, now)
         if moved is not None and moved.warned:
-            _log_moving_again(rid, moved.position)
+            log_moving_again(rid, moved.position)
         manager = self.encoder_cache_manager
         held = {i: _placeholder(request, i) for i in sorted(manager.get_cached_input_ids(request))}
         release = speculative_stall_release(num_computed_tokens, shift_computed_tokens, held)
@@ -145,7 +97,8 @@ def make_encoder_wrapper(
             )
         )  # fmt: skip
         stalled = release.stalled or unshifted
-        if options.release_speculative_stalls and stalled and repeated:
+        retried = options.release_speculative_stalls and stalled and repeated
+        if retried:
             for input_id in release.to_free:
                 _free_encoder_input(self, request, input_id)
             retry = original(
@@ -155,18 +108,21 @@ def make_encoder_wrapper(
                 zeros.clear(rid)
                 counters.record(
                     Action.SPECULATIVE_STALL_RELEASED, rid, num_computed_tokens, retry[1],
-                    block_unit_of(self),
+                    block_size_of(self),
                 )  # fmt: skip
                 return retry
         seconds = options.stall_seconds
-        if seconds is not None and watchdog_due(streak, now, seconds):
-            streak.warned = True
-            counters.record_stall()
-            report = _stall_report(
-                self, request, num_computed_tokens, held, stalled, streak.steps,
-                now - streak.since,
-            )  # fmt: skip
-            logger.warning("vllm-mamba-fix: %s", report.message())
+        if seconds is None:
+            return result
+        end_after = options.end_stalls_after
+        # The smallest chunk vLLM would not cut to 0: one token past the look-ahead
+        # vLLM checks (none where the speculative rule retried without it).
+        window_end = num_computed_tokens + 1 + (0 if retried else shift_computed_tokens)
+        if streak.warned:
+            if end_after is not None:
+                stall_watch.consider(self, request, zeros, streak, now, end_after, window_end)
+        elif watchdog_due(streak, now, seconds):
+            stall_watch.name_stall(self, request, streak, now, end_after, window_end, stalled)
         return result
 
     def wrapper(
@@ -205,10 +161,3 @@ def make_encoder_wrapper(
     functools.update_wrapper(wrapper, original)
     setattr(wrapper, MARKER, options)
     return wrapper
-
-
-def _log_moving_again(request_id: str, position: int) -> None:
-    counters.record_stall(resolved=True)
-    logger.info(
-        "vllm-mamba-fix: request %s moves again (was stalled at token %d)", request_id, position
-    )

@@ -4,21 +4,30 @@ A request that gets 0 tokens once may only be deferred for a step (a short
 budget, another request's image in the cache). The same 0 at the same position
 step after step is a stall. Both the rules and the watchdog ask this module.
 No vLLM import: positions, sizes and times are plain numbers.
+
+The split's 0s reach the watchdog through :func:`split_zero` and
+:func:`split_moved`, which the split wrapper calls; ending a stall is
+:mod:`vllm_mamba_fix.stall_watch` and :mod:`vllm_mamba_fix.stall_end`'s.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
+import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # Steps at the same position before the watchdog may name a stall.
 WATCHDOG_MIN_STEPS = 3
 # A 0 that repeats at the same position is one vLLM would return forever.
 REPEATED = 2
 _MAX_TRACKED_REQUESTS = 4096
+# The watchdog's time; tests put a clock they advance here.
+clock: Callable[[], float] = time.monotonic
 
 
 @dataclass
@@ -26,7 +35,11 @@ class Streak:
     position: int
     steps: int
     since: float  # monotonic time of the first 0 at this position
-    warned: bool = False
+    warned: bool = False  # named by the watchdog
+    named_at: float | None = None
+    steps_named: int = 0  # 0s seen after the naming
+    cause: StallCause | None = None
+    ordered: bool = False  # its request is to be ended (stall_end)
 
 
 class ZeroStreaks:
@@ -85,9 +98,56 @@ def watchdog_due(streak: Streak, now: float, seconds: float) -> bool:
     return not streak.warned and streak.steps >= WATCHDOG_MIN_STEPS and long_enough
 
 
+def end_due(streak: Streak, now: float, end_after: float) -> bool:
+    """Whether a named stall has lasted ``end_after`` seconds, and 0s repeated, since naming."""
+    if streak.named_at is None or streak.ordered:
+        return False
+    return streak.steps_named >= REPEATED and now - streak.named_at >= end_after
+
+
+def own_inputs_block(
+    held: Mapping[Hashable, int],
+    needed: Mapping[Hashable, int],
+    cache_size: int,
+    encoder_budget: int | None,
+) -> str | None:
+    """Why the request's own encoder inputs keep it at its position whatever others do, or None.
+
+    ``held`` are the inputs it holds in the encoder cache (it frees none while it
+    gets 0 tokens), ``needed`` the ones it must have scheduled for its smallest
+    chunk that vLLM would not return as 0, by identifier (a repeated image is one
+    entry), as encoder tokens. With every other request gone the cache has
+    ``cache_size`` slots and one step ``encoder_budget`` (None: not a bound, as
+    with an EC connector). None: they fit, so the 0 may come from other requests.
+    """
+    needed = {key: n for key, n in needed.items() if key not in held}
+    largest = max(needed.values(), default=0)
+    if largest > cache_size or (encoder_budget is not None and largest > encoder_budget):
+        shown = "" if encoder_budget is None else f", per-step encoder budget {encoder_budget}"
+        return (
+            f"an encoder input it needs next has {largest} tokens (encoder cache "
+            f"{cache_size}{shown})"
+        )
+    due = sum(needed.values())
+    if encoder_budget is not None and due > encoder_budget:
+        return (
+            f"the encoder inputs it needs next have {due} tokens together, more than one "
+            f"step's encoder budget of {encoder_budget}"
+        )
+    total = due + sum(held.values())
+    if total > cache_size:
+        return (
+            f"the encoder inputs it holds and needs next take {total} cache tokens together, "
+            f"more than the encoder cache's {cache_size}"
+        )
+    return None
+
+
 class StallCause(enum.Enum):
     SPECULATIVE_LOOKAHEAD = "speculative-lookahead"
     INPUT_TOO_LARGE = "input-too-large"
+    SPLIT_FLOOR = "split-floor"
+    SHARED_CACHE = "shared-cache"
     UNKNOWN = "unknown"
 
 
@@ -104,6 +164,19 @@ CAUSE_TEXT = {
         "encoder budget",
         "raise --max-num-batched-tokens (the encoder cache is sized from it) or send smaller "
         "inputs",
+    ),
+    StallCause.SPLIT_FLOOR: (
+        "vLLM's block-aligned split floors the chunk cut before an encoder input that does "
+        "not fit to 0 tokens, and the plugin does not correct that split (its split rule is "
+        "off, or a platform scheduler overrides the split)",
+        "turn the split rule on (unset VLLM_MAMBA_FIX_SPLIT_RULE), upgrade to vLLM 0.28+, or "
+        "raise --max-num-batched-tokens",
+    ),
+    StallCause.SHARED_CACHE: (
+        "the encoder input it needs next fits the encoder cache, but other requests' inputs "
+        "hold the space it needs",
+        "none if those requests move on; raise --max-num-batched-tokens (the encoder cache is "
+        "sized from it) if this lasts",
     ),
     StallCause.UNKNOWN: (
         "unknown",
@@ -137,6 +210,7 @@ class StallReport:
     cache_free: int
     compute_budget: int
     cause: StallCause
+    end_note: str = ""  # what the plugin does about it (stall_end)
 
     def message(self) -> str:
         why, remedy = CAUSE_TEXT[self.cause]
@@ -152,4 +226,35 @@ class StallReport:
             f"{self.seconds:.0f} s; holds encoder inputs {held}; waits for {waited}; "
             f"encoder cache {self.cache_size} tokens ({self.cache_free} free), encoder budget "
             f"{self.compute_budget} per step; likely cause: {why}; remedy: {remedy}"
+            f"{self.end_note}"
         )
+
+
+# The split's final 0s, one streak store for every scheduler in the process.
+SPLIT_ZEROS = ZeroStreaks()
+_split_streaks = SPLIT_ZEROS.by_request
+
+
+def split_zero(scheduler: Any, request: Any, position: int) -> None:
+    """The split's final answer was 0 for a prefill request that had tokens to give.
+
+    Called by the split wrapper; counts the 0 for the watchdog and the stall end
+    as the encoder wrapper counts its own. Never raises.
+    """
+    try:
+        from vllm_mamba_fix import stall_watch
+
+        stall_watch.on_split_zero(scheduler, request, position)
+    except Exception:  # the watchdog must never break the split
+        return
+
+
+def split_moved(request_id: str) -> None:
+    """The split gave tokens to a request it had given 0: a stall there is over. Never raises."""
+    try:
+        if _split_streaks and request_id in _split_streaks:
+            from vllm_mamba_fix import stall_watch
+
+            stall_watch.on_moved(SPLIT_ZEROS, request_id)
+    except Exception:
+        return

@@ -1,0 +1,110 @@
+"""Shared by the stall-end tests (issue 21 item 1): a clock the test advances, the plugin's
+``update_from_output`` wrapper, and what a scheduler hands the engine core.
+
+The watchdog reads ``vllm_mamba_fix.stalls.clock``; tests put a :class:`Clock` there
+instead of sleeping for minutes. :func:`update_wrapped` installs the plugin's own
+``update_from_output`` wrapper on ``Scheduler`` where the plugin's loader has not (it
+is the loader's to install; this keeps the tests meaningful until then and after).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from vllm_mamba_fix import stalls
+from vllm_mamba_fix.stall_end import UPDATE_METHOD, EndOptions, make_update_from_output_wrapper
+from vllm_mamba_fix.targets import MARKER
+
+ENDED_PREFIX = "vllm-mamba-fix ended this request"
+
+
+class Clock:
+    """Monotonic seconds that move only when told, or by ``per_call`` on every reading."""
+
+    def __init__(self, per_call: float = 0.0) -> None:
+        self.now = 1000.0
+        self.per_call = per_call
+
+    def __call__(self) -> float:
+        self.now += self.per_call
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def install_clock(monkeypatch: pytest.MonkeyPatch, per_call: float = 0.0) -> Clock:
+    """The watchdog's clock, for the rest of the test."""
+    fake = Clock(per_call)
+    monkeypatch.setattr(stalls, "clock", fake)
+    return fake
+
+
+@contextlib.contextmanager
+def update_wrapped(end_after: float = 30.0) -> Iterator[bool]:
+    """The plugin's update wrapper on ``Scheduler``; yields whether this installed it."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    method = Scheduler.__dict__[UPDATE_METHOD]
+    if getattr(method, MARKER, None) is not None:
+        yield False
+        return
+    setattr(
+        Scheduler, UPDATE_METHOD, make_update_from_output_wrapper(method, EndOptions(end_after))
+    )
+    try:
+        yield True
+    finally:
+        setattr(Scheduler, UPDATE_METHOD, method)
+
+
+@dataclass(frozen=True)
+class Finish:
+    finish_reason: Any
+    stop_reason: Any
+    error: Any
+
+
+def capture_finishes(scheduler: Any) -> dict[str, Finish]:
+    """Every finished output ``scheduler.update_from_output`` returns from now on, by id."""
+    finishes: dict[str, Finish] = {}
+    update: Callable[..., Any] = scheduler.update_from_output
+
+    def capturing(*args: Any, **kwargs: Any) -> Any:
+        outputs = update(*args, **kwargs)
+        for engine_outputs in outputs.values():
+            for output in engine_outputs.outputs:
+                if output.finish_reason is not None:
+                    assert output.request_id not in finishes, f"{output.request_id} finished twice"
+                    finishes[output.request_id] = Finish(
+                        output.finish_reason, output.stop_reason, getattr(output, "error", None)
+                    )
+        return outputs
+
+    scheduler.update_from_output = capturing  # the instance's: vLLM's engine core's view
+    return finishes
+
+
+def ended(finishes: dict[str, Finish]) -> set[str]:
+    """The requests the plugin ended (its message is their stop reason)."""
+    return {
+        rid
+        for rid, f in finishes.items()
+        if isinstance(f.stop_reason, str) and f.stop_reason.startswith(ENDED_PREFIX)
+    }
+
+
+def assert_pools_clean(scheduler: Any) -> None:
+    """No request left, every KV block free, no encoder cache entry referenced."""
+    assert not scheduler.requests, list(scheduler.requests)
+    assert not scheduler.running and not len(scheduler.waiting)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
+    manager = scheduler.encoder_cache_manager
+    assert manager.num_freeable_slots == manager.cache_size
+    assert not any(manager.cached.values()), manager.cached

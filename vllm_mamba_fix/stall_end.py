@@ -1,0 +1,210 @@
+"""Ending a stall no rule can end: one request, with vLLM's own scheduler-side finish.
+
+How a finish the scheduler decides reaches the client (read in every release's
+``v1/core/sched/scheduler.py``, ``v1/engine/core.py``, ``v1/engine/output_processor.py``
+and the OpenAI serving code, 0.15.1 to 0.33.0):
+
+- Every family, 0.15-0.16, 0.17-0.23, 0.24-0.25, 0.26, 0.27, 0.28-0.32 and 0.33, ends
+  requests it fails on a KV-load failure (0.26+ also on a grammar error) the same way,
+  inside ``update_from_output``: ``self.finish_requests(ids, RequestStatus.FINISHED_ERROR)``,
+  then one ``EngineCoreOutput(request_id, new_token_ids=[], finish_reason=..., events=...,
+  trace_headers=...)`` per request appended to ``outputs[request.client_index]``. The
+  returned ``dict[int, EngineCoreOutputs]`` is what ``EngineCore.step`` (and
+  ``step_with_batch_queue``) puts on the output queue; ``finish_requests`` frees the KV
+  blocks and the encoder cache entries (``_free_request``), removes the request from
+  ``running``/``waiting`` (0.27+: also ``skipped_waiting``) and records it in
+  ``finished_req_ids`` (the workers drop it) and ``finished_req_ids_dict`` (DP's
+  ``EngineCoreOutputs.finished_requests``).
+- ``finish_requests`` returns None (0.15-0.16), ``[(id, client_index)]`` (0.17-0.25) or
+  the requests (0.26+); this module reads the request before and ignores the return.
+- ``FinishReason.ERROR`` reaches the OpenAI server as ``finish_reason == "error"``, which
+  ``_raise_if_error`` turns into HTTP 500 "Internal server error" on every release: the
+  cause would be lost. ``FinishReason.ABORT`` reaches the client as a finished choice
+  with ``finish_reason: "abort"`` and the output's string ``stop_reason`` (chat and
+  completions, streamed or not): so 0.15-0.32 end with ABORT and the message as
+  ``stop_reason``. 0.33 adds ``EngineCoreOutput.error`` (a ``RequestError``), which the
+  front end raises as ``GenerationError(message)``: there the end is
+  ``FINISHED_ERROR`` with the message as that error (HTTP 500 with the message).
+- The safe point: ``EngineCore`` calls ``_process_aborts_queue()`` (client aborts,
+  through ``finish_requests``) right before ``update_from_output`` in every release.
+  The wrapper of ``update_from_output`` ends the ordered requests at that same point,
+  before vLLM's own update, then appends their outputs to vLLM's. ``schedule()`` never
+  runs then, so no queue is mutated while it iterates; the decision itself is taken
+  inside ``schedule()`` (the encoder-input check, the split) and only recorded.
+- No release lacks the path. A scheduler class it cannot reach (the wrapper not
+  installed, an ``update_from_output`` of another shape) is named by :func:`support`,
+  and its stalls stay named, not ended.
+
+When (see docs/reliability.md, "Ending stalls"): a stall the watchdog named, still
+at the same position ``end_stalls_after`` seconds later and after two more 0s, and
+only if the request's own encoder inputs cannot be scheduled whatever other requests
+do (:func:`vllm_mamba_fix.stalls.own_inputs_block`). A request kept by others'
+cache entries, budget, preemption or churn is never ended.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_mamba_fix import counters
+from vllm_mamba_fix._log import logger
+from vllm_mamba_fix.stalls import Streak, ZeroStreaks
+from vllm_mamba_fix.targets import MARKER
+from vllm_mamba_fix.wrappers import failure_reporter
+
+UPDATE_METHOD = "update_from_output"
+# Per scheduler instance: request id -> EndOrder, executed by the update wrapper.
+ORDERS_ATTR = "_vllm_mamba_fix_end_orders"
+_OUTPUT_FIELDS = ("request_id", "new_token_ids", "finish_reason", "stop_reason")
+
+
+@dataclass(frozen=True)
+class EndOptions:
+    """Options of the ``update_from_output`` wrapper."""
+
+    end_stalls_after: float
+
+
+@dataclass(frozen=True)
+class EndOrder:
+    request_id: str
+    position: int
+    computed: int  # request.num_computed_tokens when ordered: unchanged, or no end
+    store: ZeroStreaks
+    streak: Streak
+    log_line: str
+    message: str  # what the client reads
+
+
+# -- the safe point: update_from_output ------------------------------------------------------
+
+
+def support(scheduler_cls: type) -> str | None:
+    """Why stalls of ``scheduler_cls`` cannot be ended on this vLLM, or None (doctor)."""
+    name = f"{scheduler_cls.__module__}.{scheduler_cls.__qualname__}"
+    for method in (UPDATE_METHOD, "finish_requests"):
+        if not callable(getattr(scheduler_cls, method, None)):
+            return f"{name} has no {method}"
+    try:
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+        from vllm.v1.request import RequestStatus
+    except Exception as exc:
+        return f"vLLM's engine-core output types cannot be imported ({type(exc).__name__})"
+    fields = getattr(EngineCoreOutput, "__struct_fields__", ())
+    missing = [f for f in _OUTPUT_FIELDS if f not in fields]
+    if missing or "outputs" not in getattr(EngineCoreOutputs, "__struct_fields__", ()):
+        return f"vLLM's EngineCoreOutput(s) lack {', '.join(missing) or 'outputs'}"
+    if not hasattr(FinishReason, "ABORT") or not hasattr(RequestStatus, "FINISHED_ABORTED"):
+        return "vLLM has no abort finish for the scheduler to use"
+    return None
+
+
+def support_of(scheduler: Any) -> str | None:
+    """:func:`support`, and whether this scheduler's class runs the plugin's update wrapper."""
+    cls = type(scheduler)
+    if getattr(getattr(cls, UPDATE_METHOD, None), MARKER, None) is None:
+        return f"the plugin's {UPDATE_METHOD} wrapper is not installed on {cls.__qualname__}"
+    return support(cls)
+
+
+def _request_error(message: str) -> Any:
+    """0.33's RequestError with the message, where EngineCoreOutput carries one; else None."""
+    from vllm.v1.engine import EngineCoreOutput
+
+    if "error" not in getattr(EngineCoreOutput, "__struct_fields__", ()):
+        return None
+    try:
+        from vllm.outputs import RequestError
+    except ImportError:
+        return None
+    return RequestError(code="stalled_request", message=message, retryable=False)
+
+
+def _end(scheduler: Any, order: EndOrder, scheduled: Any) -> tuple[int, Any] | None:
+    """Finish one ordered request if it is still stalled there; its output for the client."""
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+    from vllm.v1.request import RequestStatus
+
+    rid = order.request_id
+    request = scheduler.requests.get(rid)
+    if (
+        request is None
+        or request.is_finished()
+        or rid in scheduled
+        or request.num_computed_tokens != order.computed
+        or order.store.by_request.get(rid) is not order.streak
+        or order.streak.position != order.position
+    ):
+        order.streak.ordered = False  # a later 0 there may order it again
+        return None  # it moved, finished or was freed since: never end a moving request
+    error = _request_error(order.message)
+    status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
+    scheduler.finish_requests(rid, status)
+    if not request.is_finished():
+        return None
+    fields: dict[str, Any] = {
+        "request_id": rid,
+        "new_token_ids": [],
+        "finish_reason": FinishReason.ERROR if error else FinishReason.ABORT,
+        "stop_reason": order.message,
+        "events": request.take_events() if hasattr(request, "take_events") else None,
+        "trace_headers": getattr(request, "trace_headers", None),
+    }
+    if error is not None:
+        fields["error"] = error
+    order.store.clear(rid)
+    record_ended = getattr(counters, "record_stall_ended", None)
+    if record_ended is not None:
+        record_ended()
+    logger.warning("vllm-mamba-fix: %s", order.log_line)
+    return request.client_index, EngineCoreOutput(**fields)
+
+
+def _deliver(outputs: Any, ended: list[tuple[int, Any]]) -> None:
+    from vllm.v1.engine import EngineCoreOutputs
+
+    for client, output in ended:
+        engine_outputs = outputs.get(client)
+        if engine_outputs is None:
+            outputs[client] = EngineCoreOutputs(outputs=[output])
+        else:
+            engine_outputs.outputs.append(output)
+
+
+def make_update_from_output_wrapper(
+    original: Callable[..., Any], options: Any
+) -> Callable[..., Any]:
+    """Wrap ``update_from_output``: end the ordered requests first, as vLLM ends aborts.
+
+    The hot path is one dict lookup; vLLM's own exceptions propagate, the plugin's never do.
+    """
+    fall_back = failure_reporter("ending a stalled request")
+
+    def wrapper(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        orders = self.__dict__.get(ORDERS_ATTR)
+        ended: list[tuple[int, Any]] = []
+        if orders:
+            try:
+                scheduled = scheduler_output.num_scheduled_tokens
+                for order in list(orders.values()):
+                    done = _end(self, order, scheduled)
+                    if done is not None:
+                        ended.append(done)
+            except Exception as exc:
+                fall_back(exc, None)
+            finally:
+                orders.clear()
+        outputs = original(self, scheduler_output, *args, **kwargs)
+        if ended:
+            try:
+                _deliver(outputs, ended)
+            except Exception as exc:
+                fall_back(exc, None)
+        return outputs
+
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, MARKER, options)
+    return wrapper

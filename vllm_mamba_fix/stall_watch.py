@@ -1,0 +1,260 @@
+"""The watchdog's two ears, the encoder-input check and the split, and the stall end's decision.
+
+A 0 of either counts in its own streak store (:mod:`vllm_mamba_fix.stalls`); a streak
+long enough is named (one WARNING); a named stall still there ``end_stalls_after``
+seconds and two 0s later is ordered to end if :func:`own_inputs_proof` shows that
+its own encoder inputs keep it there whatever other requests do.
+:mod:`vllm_mamba_fix.stall_end` executes the order. Reads the scheduler, imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+from vllm_mamba_fix import counters, stalls
+from vllm_mamba_fix._log import logger
+from vllm_mamba_fix.blocks import block_size_of
+from vllm_mamba_fix.config import ENV_END_STALLS_AFTER
+from vllm_mamba_fix.stall_end import ORDERS_ATTR, EndOrder, support_of
+from vllm_mamba_fix.stalls import (
+    CAUSE_TEXT,
+    StallCause,
+    StallReport,
+    Streak,
+    ZeroStreaks,
+    end_due,
+    own_inputs_block,
+    stall_cause,
+    watchdog_due,
+)
+from vllm_mamba_fix.targets import ENCODER_METHOD, MARKER
+
+# -- reading the scheduler ---------------------------------------------------------------
+
+
+def num_embeds(request: Any, input_id: int) -> int:
+    getter = getattr(request, "get_num_encoder_embeds", None)
+    if getter is not None:
+        return int(getter(input_id))
+    return int(request.mm_features[input_id].mm_position.length)
+
+
+def _has_embeds(position: Any, lo: int, hi: int) -> bool:
+    """Whether placeholder tokens ``[lo, hi)`` (relative) hold embeddings vLLM schedules."""
+    mask = getattr(position, "is_embed", None)
+    if mask is None:
+        return True
+    part = mask[lo:hi]
+    return bool(part.any()) if hasattr(part, "any") else any(part)
+
+
+OwnInputs = tuple[dict[Any, int], dict[Any, int], int, "int | None"]
+
+
+def own_inputs(scheduler: Any, request: Any, start: int, end: int) -> OwnInputs | None:
+    """(held, needed, cache size, per-step budget) of :func:`stalls.own_inputs_block` for the
+    chunk ``[start, end)``, the smallest vLLM would not return as 0 (its shift included);
+    None where nothing can be proven."""
+    if getattr(scheduler, "is_encoder_decoder", False) or not request.mm_features:
+        return None
+    manager = scheduler.encoder_cache_manager
+    cache_size = int(manager.cache_size)
+    # An EC connector loads inputs outside the compute budget: the budget proves nothing.
+    budget = None
+    if getattr(scheduler, "ec_connector", None) is None:
+        budget = int(getattr(scheduler, "max_num_encoder_input_tokens", cache_size))
+    held_ids = manager.get_cached_input_ids(request)
+    held: dict[Any, int] = {}
+    needed: dict[Any, int] = {}
+    for i, feature in enumerate(request.mm_features):
+        key = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+        if key is None:
+            return None  # a repeated image could be one cache entry: no proof
+        position = feature.mm_position
+        lo, hi = max(start, position.offset), min(end, position.offset + position.length)
+        if i in held_ids:
+            held[key] = num_embeds(request, i)
+        elif lo < hi and _has_embeds(position, lo - position.offset, hi - position.offset):
+            needed[key] = num_embeds(request, i)
+    return held, needed, cache_size, budget
+
+
+def own_inputs_proof(scheduler: Any, request: Any, start: int, end: int) -> str | None:
+    """Why ``request`` can never get the tokens ``[start, end)`` whatever others do, or None."""
+    facts = own_inputs(scheduler, request, start, end)
+    return None if facts is None else own_inputs_block(*facts)
+
+
+def _held_by_others(scheduler: Any, facts: OwnInputs | None) -> bool:
+    """Whether the inputs it needs fit alone but not in the space others leave now."""
+    if facts is None:
+        return False
+    held, needed, _, _ = facts
+    due = sum(n for key, n in needed.items() if key not in held)
+    return due > int(getattr(scheduler.encoder_cache_manager, "num_freeable_slots", due))
+
+
+def split_window_end(scheduler: Any, request: Any, position: int) -> int:
+    """End of the smallest chunk the split does not floor to 0: the next boundary of the
+    smallest unit any split floors to (a smaller unit only shrinks the proof's window)."""
+    units = [int(scheduler.cache_config.block_size)]
+    with contextlib.suppress(Exception):
+        units.append(block_size_of(scheduler))
+    unit = min(u for u in units if u > 0)
+    return min((position // unit + 1) * unit, int(request.num_prompt_tokens))
+
+
+def _report(
+    scheduler: Any, request: Any, computed: int, streak: Streak, now: float, note: str
+) -> StallReport:
+    manager = scheduler.encoder_cache_manager
+    held_ids = manager.get_cached_input_ids(request)
+    features = request.mm_features
+    waited = next(
+        (
+            i
+            for i, feature in enumerate(features)
+            if i not in held_ids
+            and feature.mm_position.offset + feature.mm_position.length > computed
+        ),
+        None,
+    )
+    waited_facts = None
+    if waited is not None:
+        position = features[waited].mm_position
+        waited_facts = (position.offset, position.length, num_embeds(request, waited))
+    held = tuple(
+        (features[i].mm_position.offset, features[i].mm_position.length) for i in sorted(held_ids)
+    )
+    return StallReport(
+        request_id=request.request_id,
+        position=computed,
+        prompt_tokens=request.num_prompt_tokens,
+        steps=streak.steps,
+        seconds=now - streak.since,
+        held=held,
+        waited=waited_facts,
+        cache_size=manager.cache_size,
+        cache_free=manager.num_free_slots,
+        compute_budget=int(getattr(scheduler, "max_num_encoder_input_tokens", manager.cache_size)),
+        cause=streak.cause or StallCause.UNKNOWN,
+        end_note=note,
+    )
+
+
+# -- the watchdog's two ears: the encoder-input check and the split -------------------------
+
+
+def name_stall(
+    scheduler: Any,
+    request: Any,
+    streak: Streak,
+    now: float,
+    end_after: float | None,
+    window_end: int,
+    speculative: bool | None,
+) -> None:
+    """The watchdog names the stall (one WARNING); ``speculative`` None: a split 0."""
+    streak.warned = True
+    streak.named_at = now
+    counters.record_stall()
+    manager = scheduler.encoder_cache_manager
+    budget = int(getattr(scheduler, "max_num_encoder_input_tokens", manager.cache_size))
+    report = _report(scheduler, request, streak.position, streak, now, "")
+    waited = report.waited[2] if report.waited else None
+    cause = stall_cause(bool(speculative), waited, manager.cache_size, budget)
+    facts = own_inputs(scheduler, request, streak.position, window_end)
+    proof = None if facts is None else own_inputs_block(*facts)
+    if speculative is None and cause is StallCause.UNKNOWN:
+        cause = StallCause.SPLIT_FLOOR
+    elif cause is StallCause.UNKNOWN and proof is None and _held_by_others(scheduler, facts):
+        cause = StallCause.SHARED_CACHE
+    streak.cause = cause
+    note = ""
+    if end_after is not None:
+        why_not = support_of(scheduler) if proof else None
+        if proof is None:
+            note = (
+                "; not ended while its own encoder inputs fit: it may be waiting for cache "
+                "space or budget that other requests hold"
+            )
+        elif why_not:
+            note = f"; {proof}; not ended: {why_not}"
+        else:
+            note = (
+                f"; {proof}; the plugin ends it {end_after:g} s from now if it has not moved "
+                f"({ENV_END_STALLS_AFTER}=off keeps it)"
+            )
+    report = dataclasses.replace(report, cause=cause, end_note=note)
+    logger.warning("vllm-mamba-fix: %s", report.message())
+
+
+def consider(
+    scheduler: Any,
+    request: Any,
+    store: ZeroStreaks,
+    streak: Streak,
+    now: float,
+    end_after: float,
+    window_end: int,
+) -> None:
+    """Another 0 of a named stall: order its end once the bound is past and it is proven."""
+    streak.steps_named += 1
+    if not end_due(streak, now, end_after) or support_of(scheduler) is not None:
+        return
+    proof = own_inputs_proof(scheduler, request, streak.position, window_end)
+    if proof is None:
+        return
+    streak.ordered = True
+    cause = streak.cause or StallCause.UNKNOWN
+    why, remedy = CAUSE_TEXT[cause]
+    named_for = now - (streak.named_at or now)
+    rid = request.request_id
+    where = f"token {streak.position} of {request.num_prompt_tokens}"
+    log_line = (
+        f"ended request {rid}: 0 tokens at {where} for {now - streak.since:.0f} s, "
+        f"{named_for:.0f} s after it was named ({ENV_END_STALLS_AFTER}={end_after:g}); "
+        f"{proof}; cause: {cause.value}; remedy: {remedy}"
+    )
+    message = (
+        f"vllm-mamba-fix ended this request: it could not get past prompt {where} "
+        f"({proof}); likely cause: {why}; remedy: {remedy}"
+    )
+    order = EndOrder(rid, streak.position, request.num_computed_tokens, store, streak,
+                     log_line, message)  # fmt: skip
+    orders = scheduler.__dict__.setdefault(ORDERS_ATTR, {})
+    orders[rid] = order
+
+
+def on_split_zero(scheduler: Any, request: Any, position: int) -> None:
+    options = getattr(getattr(type(scheduler), ENCODER_METHOD, None), MARKER, None)
+    seconds = getattr(options, "stall_seconds", None)
+    if seconds is None or not options.scope.in_scope(request):
+        return
+    now = stalls.clock()
+    rid = request.request_id
+    streak, moved = stalls.SPLIT_ZEROS.zero(rid, position, now)
+    if moved is not None and moved.warned:
+        log_moving_again(rid, moved.position)
+    end_after = options.end_stalls_after
+    window_end = split_window_end(scheduler, request, position)
+    if streak.warned:
+        if end_after is not None:
+            consider(scheduler, request, stalls.SPLIT_ZEROS, streak, now, end_after, window_end)
+    elif watchdog_due(streak, now, seconds):
+        name_stall(scheduler, request, streak, now, end_after, window_end, None)
+
+
+def on_moved(store: ZeroStreaks, request_id: str) -> None:
+    streak = store.clear(request_id)
+    if streak is not None and streak.warned:
+        log_moving_again(request_id, streak.position)
+
+
+def log_moving_again(request_id: str, position: int) -> None:
+    counters.record_stall(resolved=True)
+    logger.info(
+        "vllm-mamba-fix: request %s moves again (was stalled at token %d)", request_id, position
+    )
