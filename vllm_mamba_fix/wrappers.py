@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba_fix import counters, record
-from vllm_mamba_fix._log import logger
+from vllm_mamba_fix._log import failure_reporter
 from vllm_mamba_fix.blocks import (
     BLOCK_ATTR,
     CACHE_CONFIG_ATTR,
@@ -41,7 +41,7 @@ from vllm_mamba_fix.decision import (
     tokens_to_next_boundary,
 )
 from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.stalls import REPEATED, ZeroStreaks, forget_request
+from vllm_mamba_fix.stalls import REPEATED, ZeroStreaks, forget_request, split_moved, split_zero
 from vllm_mamba_fix.targets import (
     EXTRA_COMPUTED_PARAMETERS,
     KNOWN_SPLIT_TRAILING_PARAMETERS,
@@ -50,17 +50,6 @@ from vllm_mamba_fix.targets import (
     SPLIT_METHOD,
 )
 from vllm_mamba_fix.versions import PrefillGate
-
-try:  # the watchdog's ears for the split's 0s (stalls.py)
-    from vllm_mamba_fix.stalls import split_moved, split_zero
-except ImportError:  # pragma: no cover - until stalls.py provides them
-
-    def split_zero(scheduler: Any, request: Any, position: int) -> None:
-        return None
-
-    def split_moved(request_id: str) -> None:
-        return None
-
 
 # Requests the split wrapper remembers as zeroed; a bound like the streaks'.
 MAX_ZEROED = 4096
@@ -190,25 +179,6 @@ def _make_corrector(
         return decision.num_tokens
 
     return correct
-
-
-def failure_reporter(what: str) -> Callable[[Exception, Any], Any]:
-    reported = False
-
-    def fall_back(exc: Exception, stock: Any) -> Any:
-        # Never break the host: vLLM's own answer stands.
-        nonlocal reported
-        if not reported:
-            reported = True
-            logger.warning(
-                "vllm-mamba-fix: %s failed (%s: %s); using vLLM's result",
-                what,
-                type(exc).__name__,
-                exc,
-            )
-        return stock
-
-    return fall_back
 
 
 def _given(local: int, external: int, uncached_common_prefix: int) -> tuple[int, ...]:
