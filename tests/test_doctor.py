@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tools.releases import installed_release
-from vllm_mamba_fix.config import Mode
+from vllm_mamba_fix.config import ALL_VARIABLES, Mode, Settings
 from vllm_mamba_fix.doctor import (
     FALLBACK_METHODS,
     SpeculativeMethods,
@@ -36,13 +36,8 @@ from vllm_mamba_fix.versions import Verdict, family_for
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "vllm_mamba_fix"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("vllm-mamba-fix")
 TIMEOUT = 600  # seconds; the real runs import vLLM and may share a busy machine
-OUR_ENV = (
-    "VLLM_MAMBA_FIX",
-    "VLLM_MAMBA_FIX_SCOPE",
-    "VLLM_MAMBA_FIX_STALL_SECONDS",
-    "VLLM_PLUGINS",
-    "PYTHONPATH",
-)
+REPO = PACKAGE_DIR.parent
+OUR_ENV = (*ALL_VARIABLES, "VLLM_PLUGINS", "PYTHONPATH")
 
 
 @dataclass(frozen=True)
@@ -97,7 +92,11 @@ MTP = '{"method": "qwen3_5_mtp", "num_speculative_tokens": 2}'
 
 
 def _needed_by_version(vllm_version: str) -> list[str]:
-    """The fix rules the version alone asks for (the real releases' code agrees)."""
+    """The fix rules the version alone asks for (the real releases' code agrees).
+
+    Not block-unit: it is needed only where a built scheduler's two block sizes differ,
+    and a dry run builds none.
+    """
     by_version = plan(Settings(), family_for(vllm_version), Evidence())
     fixes = (Rule.SPLIT, Rule.SPECULATIVE_STALL)
     return [v.rule.value for v in by_version.verdicts if v.rule in fixes and v.active]
@@ -168,6 +167,16 @@ def test_default_is_protected_and_json_has_the_fields(real: dict[str, Run]) -> N
     assert data["settings"]["stall_seconds"] == 30.0
     assert data["problems"] == []
     assert isinstance(data["elapsed_seconds"], float)
+    # The support checks, where their modules are in this build.
+    if (PACKAGE_DIR / "stall_end.py").exists():
+        assert data["stall_end"]["checked"] is True
+        assert set(data["stall_end"]["classes"]) == {
+            "vllm.v1.core.sched.scheduler.Scheduler",
+            "vllm.v1.core.sched.async_scheduler.AsyncScheduler",
+        }
+    if (PACKAGE_DIR / "metrics.py").exists():
+        assert data["metrics"]["checked"] is True
+        assert isinstance(data["metrics"]["available"], bool) and data["metrics"]["reason"]
 
 
 @needs_affected_vllm
@@ -177,7 +186,10 @@ def test_both_evidences_are_shown_and_the_code_decides(real: dict[str, Run]) -> 
     assert evidence["read_from"] == "vllm.v1.core.sched.scheduler.Scheduler"
     assert evidence["split_after_encoder"] is True  # every affected release: the matrix agrees
     rules = {r["rule"]: r for r in data["rules"]}
-    assert list(rules) == ["split", "speculative-stall", "stall-watchdog"]
+    # The rule table's order; block-unit and stall-end were added to it (issues 20, 21).
+    assert list(rules) == [
+        "split", "block-unit", "speculative-stall", "stall-watchdog", "stall-end",
+    ]  # fmt: skip
     split = rules["split"]
     assert split["version"]["active"] is split["code"]["active"] is True
     assert (split["decided_by"], split["active"], split["installs"]) == ("code", True, True)
@@ -221,7 +233,8 @@ def test_default_dry_run_patches_through_the_import_hook_and_undoes(real: dict[s
                 "wrapped", stock, f"{stock}._try_schedule_encoder_inputs",
             ),
         }  # fmt: skip
-        expected_rules = {*_needed_by_version(_VLLM), "stall-watchdog"}
+        # block-unit rides the split's wrapper and stall-end the encoder's, on by default.
+        expected_rules = {*_needed_by_version(_VLLM), "block-unit", "stall-watchdog", "stall-end"}
         assert set(record["rules"]) == expected_rules and record["left_out"] == []
         assert record["block_size"] is None  # a dry run builds no scheduler
     assert {r["scheduler_class"] for r in data["install_records"]} == {
@@ -306,7 +319,11 @@ def test_custom_scheduler_that_overrides_is_named(real: dict[str, Run]) -> None:
     )
     named = [p for p in data["problems"] if "EncoderOverridingScheduler" in p]
     if "speculative-stall" in _needed_by_version(_VLLM):
-        assert named and "speculative-stall and stall-watchdog do not reach it" in named[0]
+        # stall-end rides the encoder wrapper too (issue 21); named in table order.
+        assert (
+            named
+            and "speculative-stall, stall-watchdog and stall-end do not reach it" in (named[0])
+        )
     else:  # only the watchdog is lost: a warning
         assert not named
     # One typed record per class given, and the dry run undid what settling them wrapped.
@@ -390,8 +407,9 @@ def _rules(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     ("vllm_version", "family", "needed", "wrapped"),
     [
         ("0.25.1", "0.24", ["split", "speculative-stall"], 2),
-        # 0.28-0.32: upstream fixed the split, not the speculative stall.
-        ("0.32.0", "0.28", ["speculative-stall"], 1),
+        # 0.28-0.32: upstream fixed the split, not the speculative stall. The split is still
+        # wrapped, for the block-unit rule (vLLM #54076), on every release that has it.
+        ("0.32.0", "0.28", ["speculative-stall"], 2),
     ],
 )
 def test_fake_affected_release_is_protected(
@@ -430,7 +448,10 @@ def test_code_evidence_leaves_a_backport_alone(tmp_path: Path) -> None:
         assert rules[name]["version"]["active"] is True and rules[name]["code"]["active"] is False
         assert (rules[name]["decided_by"], rules[name]["active"]) == ("code", False)
     assert "the version alone would have patched (a backport)" in data["summary"]
-    assert data["dry_run"]["wrapped_methods"] == []
+    # Only the block-unit rule's wrapper: a backport still floors to cache_config.block_size.
+    assert data["dry_run"]["wrapped_methods"] == ["_mamba_block_aligned_split"]
+    assert _rules(data)["block-unit"]["installs"] is True
+    assert _rules(data)["block-unit"]["needed"] is None  # no scheduler built: cannot tell
 
 
 def test_invalid_env_value_alone_keeps_protection(tmp_path: Path) -> None:
@@ -897,6 +918,7 @@ def test_json_fields_and_exit_codes_are_pinned_on_real_vllm(
     [
         ("0.32.0", {"encoder": ENCODER_CHANGED}, (), 1, "not-protected",
          frozenset({"dry_run.error"}), frozenset()),
+        # dry_run.error is now null here: the block-unit rule installs on 0.33 too.
         ("0.33.0", {}, (), 0, "not-needed", frozenset({"dry_run.error"}), frozenset()),
         ("0.14.1", {}, (), 0, "not-needed", frozenset(), DRY_RUN_FIELDS),
         ("not-a-version", {}, (), 3, "unknown", frozenset({"dry_run.mode"}), frozenset()),
@@ -965,13 +987,15 @@ def test_scheduler_cls_with_its_own_old_order_schedule_is_reported_per_class(
     record = entries[0]["record"]
     assert "split" in record["rules"]
     split = next(m for m in record["methods"] if m["name"] == "_mamba_block_aligned_split")
-    # Installed on the subclass only, so the fixed base stays stock.
+    # The subclass gets its own wrapper carrying the split rule; the fixed base keeps one
+    # that carries only the block-unit rule (which wraps the split on every release).
     assert (split["state"], split["owner"]) == ("wrapped", name)
+    assert split["rules"] == ["block-unit", "split"]
     base = next(s for s in data["schedulers"] if s["class"].endswith(".scheduler.Scheduler"))
     base_split = next(
         m for m in base["record"]["methods"] if m["name"] == "_mamba_block_aligned_split"
     )
-    assert base_split["state"] == "stock"
+    assert (base_split["state"], base_split["rules"]) == ("wrapped", ["block-unit"])
     assert data["dry_run"]["restored"] is True
 
 
@@ -1125,3 +1149,239 @@ def test_a_split_another_plugin_assigns_is_wrapped_in_either_order(
     # Assigned after the patch: the first class settled finds and wraps the replacement.
     assert states == ({"wrapped-replacement", "wrapped"} if order == "after" else {"wrapped"})
     assert data["dry_run"]["restored"] is True
+
+
+# --- the rule table: switches, the new rules, what runs per class ----------------------
+
+
+def test_settings_show_every_variable_and_the_rule_switches(tmp_path: Path) -> None:
+    site = _fake_vllm(tmp_path / "site", "0.27.1")
+    env = {"PYTHONPATH": str(site), "VLLM_MAMBA_FIX_END_STALLS_AFTER": "5"}
+    data = _run(_doctor("--json"), env).json()
+    settings = data["settings"]
+    assert list(settings["env"]) == list(ALL_VARIABLES)  # the config's own list, in order
+    assert settings["env"]["VLLM_MAMBA_FIX_END_STALLS_AFTER"] == "5"
+    assert settings["end_stalls_after"] == 5.0
+    assert settings["switches"] == {
+        "VLLM_MAMBA_FIX_SPLIT_RULE": {"rule": "split", "on": True},
+        "VLLM_MAMBA_FIX_BLOCK_RULE": {"rule": "block-unit", "on": True},
+    }
+    stall_end = _rules(data)["stall-end"]
+    assert (stall_end["active"], stall_end["installs"], stall_end["needed"]) == (True, True, None)
+    assert stall_end["switch"] == "VLLM_MAMBA_FIX_END_STALLS_AFTER"
+    human = _run(_doctor(), {**env, "VLLM_MAMBA_FIX_BLOCK_RULE": "maybe"}).out
+    assert "a stall no rule can end is ended 5 s after it is named" in human
+    assert "rule switches: VLLM_MAMBA_FIX_SPLIT_RULE on (split), VLLM_MAMBA_FIX_BLOCK_RULE on" in (
+        human
+    )
+    assert "invalid value: VLLM_MAMBA_FIX_BLOCK_RULE='maybe'" in human
+    off = _run(_doctor("--json"), {**env, "VLLM_MAMBA_FIX_END_STALLS_AFTER": "off"}).json()
+    assert off["settings"]["end_stalls_after"] is None
+    assert (off["status"], _rules(off)["stall-end"]["active"]) == ("protected", False)
+
+
+def test_a_needed_rule_switched_off_is_not_protected(tmp_path: Path) -> None:
+    site = _fake_vllm(tmp_path / "site", "0.27.1")
+    run = _run(_doctor("--json"), {"PYTHONPATH": str(site), "VLLM_MAMBA_FIX_SPLIT_RULE": "0"})
+    assert run.code == 1, run.err
+    data = run.json()
+    assert data["status"] == "not-protected"
+    assert data["problems"] == ["split is switched off by VLLM_MAMBA_FIX_SPLIT_RULE=0"]
+    split = _rules(data)["split"]
+    assert (split["needed"], split["active"], split["decided_by"]) == (True, False, "setting")
+    # The rest still installs: the block-unit rule on the split, the encoder rules.
+    assert data["dry_run"]["wrapped_methods"] == [
+        "_mamba_block_aligned_split", "_try_schedule_encoder_inputs",
+    ]  # fmt: skip
+    assert _rules(data)["block-unit"]["installs"] is True
+
+
+def test_block_rule_switched_off_on_0_33_warns_and_leaves_the_base_recorded(
+    tmp_path: Path,
+) -> None:
+    site = _fake_vllm(tmp_path / "site", "0.33.0")
+    run = _run(_doctor("--json"), {"PYTHONPATH": str(site), "VLLM_MAMBA_FIX_BLOCK_RULE": "off"})
+    assert run.code == 0, run.err
+    data = run.json()
+    # Nothing 0.33 is known to need: a mismatch shows only on a built scheduler.
+    assert (data["status"], data["problems"]) == ("not-needed", [])
+    block = _rules(data)["block-unit"]
+    assert (block["active"], block["needed"], block["installs"]) == (False, None, False)
+    assert block["reason"] == "VLLM_MAMBA_FIX_BLOCK_RULE=0" and block["block_facts"] == []
+    assert any(
+        w.startswith("block-unit will not run") and "pin --block-size" in w
+        for w in data["warnings"]
+    )
+    assert data["dry_run"]["wrapped_methods"] == []
+    # The base class is recorded though nothing was installed: doctor reads its plan.
+    base = next(s for s in data["schedulers"] if s["class"].endswith(".scheduler.Scheduler"))
+    assert base["record"]["rules"] == [] and base["record"]["left_out"] == []
+    assert data["dry_run"]["error"].startswith("no rule to install: split [")
+
+
+def test_block_rule_on_0_33_is_installed_and_not_needed_yet(tmp_path: Path) -> None:
+    run = _fake_run(tmp_path, "0.33.0")
+    assert run.code == 0, run.err
+    assert "result: NOT NEEDED" in run.out
+    assert "block-unit        active, by version:" in run.out
+    assert (
+        "engages per scheduler where the Mamba KV cache's block differs from "
+        "cache_config.block_size; a dry run builds no scheduler, so it cannot tell yet"
+    ) in run.out
+    assert "patched Scheduler._mamba_block_aligned_split on import" in run.out
+    assert "block-unit will not run" not in run.out
+
+
+NEW_UNDER_OLD = (
+    OLD_ORDER_SCHEDULER
+    + """
+
+class NewUnderOld(OldOrderScheduler):
+    def schedule(self):
+        n = self._mamba_block_aligned_split(None, 8)
+        return self._try_schedule_encoder_inputs(None, 0, n, 8)[1]
+"""
+)
+
+
+def test_a_class_settled_before_its_base_got_a_wrapper_reports_what_it_inherits(
+    tmp_path: Path,
+) -> None:
+    site = _fake_vllm(tmp_path / "site", "0.32.0")
+    (site / "platform_sched.py").write_text(NEW_UNDER_OLD)
+    # The subclass first: settled while its base still had no wrapper of its own.
+    names = ("platform_sched.NewUnderOld", "platform_sched.OldOrderScheduler")
+    args = [arg for name in names for arg in ("--scheduler-cls", name)]
+    env = {"PYTHONPATH": str(site)}
+    data = _run(_doctor("--json", *args), env).json()
+    assert data["status"] == "protected"
+    record = next(s for s in data["schedulers"] if s["class"] == names[0])["record"]
+    # Its own code splits first, so its plan leaves the split rule out; the wrapper it
+    # resolves (OldOrderScheduler's) carries it, and that is what runs.
+    assert record["inherited"] == ["split"] and "split" in record["rules"]
+    split = next(m for m in record["methods"] if m["name"] == "_mamba_block_aligned_split")
+    assert (split["owner"], split["rules"]) == (names[1], ["block-unit", "split"])
+    human = _run(_doctor(*args), env).out
+    assert f"inherits split from {names[1]}'s wrapper" in human
+
+
+# Builds real schedulers first (the plugin loaded as vLLM loads it), then runs doctor in
+# the same process: one with the Mamba KV cache block (256) above cache_config.block_size
+# (128), as vLLM #54076 reports; an AsyncScheduler over attention layers only.
+_BUILT_THEN_DOCTOR = """\
+import json, sys
+from tools import sched_harness as harness
+from tools.sched_harness import HarnessConfig
+harness.load_plugins()
+small = dict(block_size=256, max_num_batched_tokens=192, encoder_cache_tokens=256,
+             max_model_len=1024)
+harness.build_scheduler(HarnessConfig(configured_block_size=128, **small))
+harness.build_scheduler(HarnessConfig(async_scheduling=True, attention_only=True, **small))
+from vllm_mamba_fix.doctor import run
+from vllm_mamba_fix.doctor.render import render_text
+report = run()
+with open(sys.argv[1], "w") as out:
+    json.dump({"data": report.data, "text": render_text(report, 0.0)}, out, default=str)
+"""
+
+
+@needs_affected_vllm
+@pytest.mark.parametrize("block_rule", ["on", "0"])
+def test_a_built_schedulers_block_sizes_decide_the_block_rule(
+    tmp_path: Path, block_rule: str
+) -> None:
+    out = tmp_path / "doctor.json"
+    run = _run(
+        [sys.executable, "-c", _BUILT_THEN_DOCTOR, str(out)],
+        {"VLLM_MAMBA_FIX_BLOCK_RULE": block_rule, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+    )
+    assert run.code == 0, run.err[-3000:]
+    found = json.loads(out.read_text())
+    data, text = found["data"], found["text"]
+    sched = "vllm.v1.core.sched.scheduler.Scheduler"
+    block = _rules(data)["block-unit"]
+    facts = {f["class"].rsplit(".", 1)[1]: f for f in block["block_facts"]}
+    assert (facts["Scheduler"]["block_size"], facts["Scheduler"]["cache_config_block_size"]) == (
+        256,
+        128,
+    )
+    assert facts["AsyncScheduler"]["split_idle"]  # no Mamba layers: vLLM never calls the split
+    assert block["needed"] is True and block["needed_by_classes"] == [sched]
+    assert data["dry_run"]["already_active"] and "left in place" in text
+    idle = next(s for s in data["schedulers"] if s["class"].endswith("AsyncScheduler"))
+    assert idle["record"]["split_idle"]
+    idle_rules = "split and block-unit" if block_rule == "on" else "split"
+    assert f"split rules idle ({idle_rules}): vLLM never calls the split here" in text
+    if block_rule == "on":
+        assert (data["status"], facts["Scheduler"]["engaged"]) == ("protected", True)
+        assert "block-unit" in data["policy"]["needed_rules"]
+        assert f"block-unit (by the block sizes of the built {sched})" in data["policy"]["reason"]
+        assert f"engaged for {sched}: the Mamba KV cache stores 256-token blocks" in text
+    else:  # the mismatch is seen and the rule is off: not protected
+        assert (data["status"], facts["Scheduler"]["engaged"]) == ("not-protected", False)
+        assert "block-unit is switched off by VLLM_MAMBA_FIX_BLOCK_RULE=0" in data["problems"]
+        assert f"NOT engaged for {sched}" in text
+
+
+def test_doctor_reads_the_tables_and_plans_only_in_plans() -> None:
+    """The environment only through config; plan() called only by doctor/plans.py."""
+    import ast
+
+    offenders = []
+    for path in sorted((PACKAGE_DIR / "doctor").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            name = str(path.relative_to(PACKAGE_DIR))
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
+                offenders.append(f"{name}:{node.lineno} reads the environment")
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "vllm_mamba_fix.rules"
+                and any(alias.name == "plan" for alias in node.names)
+                and path.name != "plans.py"
+            ):
+                offenders.append(f"{name}:{node.lineno} plans again")
+    assert offenders == []
+
+
+# The two support checks read other modules; without them (an ImportError) each is one
+# info line and the verdict stands.
+_WITHOUT_SUPPORT_MODULES = """\
+import sys
+from vllm_mamba_fix.doctor.checks import metrics, stall_end
+# As a build without the two modules: importing them raises ImportError.
+metrics.MODULE = "vllm_mamba_fix.no_such_metrics"
+stall_end.MODULE = "vllm_mamba_fix.no_such_stall_end"
+from vllm_mamba_fix.doctor import main
+raise SystemExit(main(["doctor", *sys.argv[1:]]))
+"""
+
+
+def test_support_checks_without_their_modules_are_info_lines(tmp_path: Path) -> None:
+    site = _fake_vllm(tmp_path / "site", "0.27.1")
+    env = {"PYTHONPATH": str(site)}
+    data = _run([sys.executable, "-c", _WITHOUT_SUPPORT_MODULES, "--json"], env).json()
+    assert (data["status"], data["exit_code"]) == ("protected", 0)
+    assert data["metrics"]["checked"] is False and data["stall_end"]["checked"] is False
+    human = _run([sys.executable, "-c", _WITHOUT_SUPPORT_MODULES], env).out
+    assert "metrics           not checked: this build has no metrics module" in human
+    assert "ending stalls     not checked: this build has no stall_end module" in human
+
+
+@pytest.mark.skipif(
+    not (PACKAGE_DIR / "metrics.py").exists() or not (PACKAGE_DIR / "stall_end.py").exists(),
+    reason="needs vllm_mamba_fix.metrics and vllm_mamba_fix.stall_end",
+)
+def test_support_checks_read_the_release(tmp_path: Path) -> None:
+    # The fake release has neither vLLM's prometheus registry nor update_from_output.
+    data = _fake_run(tmp_path, "0.27.1", "--json").json()
+    assert data["status"] == "protected"  # support lines never change the verdict
+    assert data["metrics"]["checked"] is True and data["metrics"]["available"] is False
+    assert "get_prometheus_registry" in data["metrics"]["reason"]
+    classes = data["stall_end"]["classes"]
+    assert set(classes) == {
+        "vllm.v1.core.sched.scheduler.Scheduler",
+        "vllm.v1.core.sched.async_scheduler.AsyncScheduler",
+    }
+    assert all("update_from_output" in why for why in classes.values())

@@ -1,12 +1,14 @@
 """``vllm-mamba-fix doctor``: will the fix be active where vLLM's scheduler runs?
 
 It checks, in this interpreter and environment: the vLLM release, the
-scheduler's code evidence and which of the two decides each rule (split,
-speculative-stall, stall-watchdog), the ``vllm.general_plugins`` entry point,
-``VLLM_PLUGINS``, the plugin's own settings, and, per scheduler class vLLM
-may build (``--scheduler-cls``, repeatable), what the plugin installs for it;
-it dry-runs the patch (apply through ``register()``, settle each class as the
-engine does, verify every wrapper, undo).
+scheduler's code evidence and which of the two decides each rule of the rule
+table (split, block-unit, speculative-stall, stall-watchdog, stall-end), the
+``vllm.general_plugins`` entry point, ``VLLM_PLUGINS``, the plugin's own
+settings and rule switches, and, per scheduler class vLLM may build
+(``--scheduler-cls``, repeatable), what runs for it (its own rules and those it
+inherits); it dry-runs the patch (apply through ``register()``, settle each
+class as the engine does, verify every wrapper, undo). The block-unit rule
+engages per built scheduler, which a dry run cannot see.
 
 Speculative decoding is configured when the engine starts, so the doctor
 cannot see it; pass the engine's --speculative-config to have it classified.
@@ -22,8 +24,9 @@ Exit codes:
 """
 
 # The package: one check per module under checks/, a pure verdict from their typed
-# results (verdict), rendering (render) and the command line (cli). It reads the
-# plugin's typed install record (plugin.check_class), never its log text.
+# results (verdict), the plans taken from the records (plans), rendering (render) and
+# the command line (cli). It reads the plugin's typed install record
+# (plugin.check_class), never its log text, and the environment only through config.
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""``run()``: the checks in order, the verdict, and the report they fill in."""
+"""``run()``: the checks in order, the verdict, and the report they fill in.
+
+Each step below fills in part of the report. Doctor renders the records the dry run
+made and the plans they hold (:mod:`vllm_mamba_fix.doctor.plans`); it plans again
+only for the views a record cannot hold (what the version alone says, and what the
+release needs where a setting forced or switched off a rule).
+"""
 
 from __future__ import annotations
 
@@ -10,35 +16,77 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import vllm_mamba_fix
-from vllm_mamba_fix import __version__, record
-from vllm_mamba_fix.config import ENV_MODE, ENV_VLLM_PLUGINS, Mode, Settings, load_settings
-from vllm_mamba_fix.doctor import verdict
+from vllm_mamba_fix import __version__, record, rules
+from vllm_mamba_fix.config import ENV_MODE, Mode, Settings, load_settings
+from vllm_mamba_fix.doctor import problems, verdict
 from vllm_mamba_fix.doctor.checks.entry_point import check_entry_point
+from vllm_mamba_fix.doctor.checks.metrics import check_metrics
 from vllm_mamba_fix.doctor.checks.rules import (
     evidence_json,
     evidence_text,
     rule_lines,
     rule_table,
-    version_plan,
 )
 from vllm_mamba_fix.doctor.checks.schedulers import (
     BASE_SCHEDULER,
     DryRun,
+    Target,
     default_targets,
     dry_run,
     own_needs,
     scheduler_entries,
 )
 from vllm_mamba_fix.doctor.checks.settings import check_settings
-from vllm_mamba_fix.doctor.checks.speculative import check_speculative
+from vllm_mamba_fix.doctor.checks.speculative import SpeculativeCheck, check_speculative
+from vllm_mamba_fix.doctor.checks.stall_end import check_stall_end
 from vllm_mamba_fix.doctor.checks.vllm_import import import_vllm
 from vllm_mamba_fix.doctor.checks.vllm_plugins import check_platform_plugins, check_vllm_plugins
+from vllm_mamba_fix.doctor.plans import (
+    BlockFact,
+    Views,
+    block_facts,
+    mismatched,
+    no_record_evidence,
+    views,
+)
 from vllm_mamba_fix.doctor.report import STATUS, Report
-from vllm_mamba_fix.evidence import UNREADABLE, Evidence
-from vllm_mamba_fix.policy import Plan, Rule, preflight
-from vllm_mamba_fix.record import ClassRecord
-from vllm_mamba_fix.rules import RULE_METHOD, plan
+from vllm_mamba_fix.evidence import Evidence
+from vllm_mamba_fix.policy import PreflightResult, Rule, preflight
 from vllm_mamba_fix.versions import Family, Verdict, family_for
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the steps of one run share."""
+
+    report: Report
+    settings: Settings
+    version: str
+    family: Family
+    checked: PreflightResult
+    targets: list[Target]
+    bad_input: list[str] = dataclasses.field(default_factory=list)
+    dry: DryRun | None = None
+    ran_with: Settings | None = None  # the settings the dry run used
+    views: Views | None = None
+    facts: tuple[BlockFact, ...] = ()  # of schedulers already built in this process
+
+    @property
+    def will_patch(self) -> bool:
+        return self.checked.outcome.waits_for_scheduler
+
+    @property
+    def plans(self) -> Views:
+        assert self.views is not None, "the views step runs first"
+        return self.views
+
+
+@dataclasses.dataclass(frozen=True)
+class _Needs:
+    spec: SpeculativeCheck
+    needed_by: dict[Rule, list[str]]  # rules classes need (own schedule(), built block sizes)
+    needed: frozenset[Rule]
+    spared: str  # a rule let off by the --speculative-config
 
 
 def _family_json(family: Family | None) -> dict[str, Any] | None:
@@ -59,30 +107,133 @@ def _finish(
     return report
 
 
-def _rule_problems(
-    planned: frozenset[Rule], base_record: ClassRecord | None, dry: DryRun | None, report: Report
-) -> dict[Rule, str]:
-    """Why each planned rule would not install on the base class, from the typed record."""
-    found: dict[Rule, str] = {}
-    installed = base_record.rules if base_record else frozenset()
-    for rule in planned - installed:
-        method = base_record.method(RULE_METHOD[rule]) if base_record else None
-        if method is not None and method.note:
-            why = method.note
-        elif method is not None:
-            why = method.describe()
-        else:
-            why = report.data["dry_run"].get("error", "no scheduler")
-        found[rule] = f"{rule.value} would not apply: {why}"
-    return found
+def _describe_tool(report: Report) -> None:
+    report.data["tool"] = {
+        "name": "vllm-mamba-fix",
+        "version": __version__,
+        "package_path": os.path.dirname(os.path.abspath(vllm_mamba_fix.__file__)),
+        "python": sys.executable,
+    }
 
 
-def _dry_run_lines(
-    report: Report,
-    base_record: ClassRecord | None,
-    planned: frozenset[Rule],
-    needed: frozenset[Rule],
-) -> None:
+def _import_step(report: Report) -> tuple[str | None, Family | None]:
+    started = time.perf_counter()
+    version = import_vllm(report)
+    report.data["timings_seconds"] = {"import_vllm": round(time.perf_counter() - started, 3)}
+    family = family_for(version) if version is not None else None
+    report.data["family"] = _family_json(family)
+    return version, family
+
+
+def _delivery_checks(report: Report, settings: Settings) -> verdict.Delivery:
+    """Entry point, VLLM_PLUGINS and the plugin's settings: will vLLM load and run it?"""
+    ep_ok = check_entry_point(report)
+    allowed = check_vllm_plugins(report)
+    check_settings(report, settings)
+    return verdict.Delivery(
+        settings.mode,
+        report.data["settings"]["env"][ENV_MODE],
+        None if ep_ok else report.data["entry_point"].get("error", "entry point missing"),
+        allowed,
+        report.data["vllm_plugins"]["value"],
+    )
+
+
+def _dry_run_step(state: _Run) -> None:
+    if state.family.verdict is Verdict.ABSENT:
+        state.report.data["dry_run"] = {"ran": False}
+        return
+    forced: Settings | None = None
+    if not state.will_patch:
+        # Disabled, or an unreadable version: run the same path as enabling it would.
+        mode = Mode.AUTO if state.family.verdict is not Verdict.UNKNOWN else Mode.FORCE
+        forced = dataclasses.replace(state.settings, mode=mode, problems=())
+    started = time.perf_counter()
+    state.dry = dry_run(state.report, forced, state.targets)
+    state.report.data["timings_seconds"]["dry_run"] = round(time.perf_counter() - started, 3)
+    state.ran_with = forced or state.settings
+
+
+def _views_step(state: _Run) -> None:
+    dry = state.dry
+    base_record = dry.base_record if dry is not None else None
+    if dry is None:
+        evidence = Evidence(problem="not read: this release has nothing to patch")
+    elif base_record is not None:
+        evidence = base_record.evidence
+    elif dry.base is None:
+        evidence = no_record_evidence(f"cannot load {BASE_SCHEDULER}")
+    else:
+        evidence = no_record_evidence(state.report.data["dry_run"].get("error") or "no record")
+    state.views = views(
+        state.settings, state.ran_with, state.family, state.will_patch, base_record, evidence
+    )
+    read_from = BASE_SCHEDULER if base_record is not None else None
+    state.report.data["evidence"] = evidence_json(evidence, read_from)
+    state.facts = block_facts(dry.records) if dry is not None else ()
+
+
+def _needs_step(state: _Run, speculative_config: Mapping[str, Any] | None) -> _Needs:
+    plans = state.plans
+    spec = check_speculative(
+        speculative_config, state.version, state.family, plans.decided, plans.installed
+    )
+    state.report.data["speculative"] = spec.data
+    if spec.invalid:
+        state.bad_input.append(spec.invalid)
+    if spec.warning:
+        state.report.warnings.append(spec.warning)
+    needed_by: dict[Rule, list[str]] = {}
+    for check in state.dry.classes if state.dry else ():
+        for rule in own_needs(check):
+            needed_by.setdefault(rule, []).append(check.target.qualname)
+    # block-unit: needed where a built scheduler shows the two block sizes apart.
+    if plans.by_code.verdict(Rule.BLOCK_UNIT).active and mismatched(state.facts):
+        needed_by[Rule.BLOCK_UNIT] = mismatched(state.facts)
+    not_eagle = spec.eagle is False
+    needed = verdict.needed_rules(
+        state.family, state.settings.mode, plans.by_code, not_eagle, frozenset(needed_by)
+    )
+    spared = ""
+    if not_eagle and plans.by_code.verdict(Rule.SPECULATIVE_STALL).active:
+        method = spec.data["resolved_method"]
+        spared = f"speculative-stall [--speculative-config: {method} is not EAGLE-type]"
+    return _Needs(spec, needed_by, needed, spared)
+
+
+def _rule_entries_step(state: _Run, needs: _Needs) -> tuple[list[dict[str, Any]], dict[Rule, str]]:
+    entries = rule_table(state.family, state.plans, state.settings, state.checked.reason)
+    base_record = state.dry.base_record if state.dry else None
+    dry_error = state.report.data["dry_run"].get("error")
+    rule_problems = problems.rule_problems(state.plans, base_record, dry_error)
+    for entry in entries:
+        rule = Rule(entry["rule"])
+        fixes = rule in rules.FIX_RULES
+        entry["needed"] = rule in needs.needed if fixes else None
+        entry["installs"] = rule in state.plans.installed
+        entry["needed_by_classes"] = needs.needed_by.get(rule, [])
+        entry["problem"] = rule_problems.get(rule)
+        if rule in verdict.PER_SCHEDULER:
+            # Only a built scheduler's record tells; a dry run builds none.
+            entry["needed"] = entry["needed"] if state.facts else None
+            entry["block_facts"] = [fact.to_json() for fact in state.facts]
+    state.report.data["rules"] = entries
+    return entries, rule_problems
+
+
+def _headline_lines(state: _Run, chosen: verdict.Policy) -> None:
+    report = state.report
+    report.add("info", "family", f"{state.family.name}: {state.family.summary}")
+    label = verdict.VERDICT_TEXT[chosen.verdict]
+    mark = "fail" if chosen.verdict in ("needed-will-not-patch", "unsupported") else "ok"
+    reason = chosen.reason
+    report.add(mark, "policy", reason if reason.startswith(label) else f"{label}: {reason}")
+    if state.dry is not None:
+        report.add("info", "code", evidence_text(state.plans.evidence))
+
+
+def _dry_run_lines(state: _Run, needed: frozenset[Rule]) -> None:
+    report, base_record = state.report, state.dry.base_record if state.dry else None
     info = report.data["dry_run"]
     label = "dry run"
     wrapped = info["wrapped_methods"]
@@ -90,6 +241,8 @@ def _dry_run_lines(
     if wrapped:
         hook = "on import of the scheduler module" if info["via"] == "import hook" else "at once"
         undo = "undone" if info["restored"] else "NOT undone"
+        if info["already_active"]:
+            undo = "already active in this process, so left in place"
         names = " and ".join(f"Scheduler.{m}" for m in wrapped)
         plural = "s" if len(wrapped) > 1 else ""
         text = f"{how} patched {names} {hook}; wrapper{plural} verified; {undo}"
@@ -103,11 +256,57 @@ def _dry_run_lines(
                 f"vllm-mamba-fix {__version__} active: {base_record.scheduler_class} carries "
                 f"{', '.join(r.value for r in Rule if r in base_record.rules)} ...",
             )  # fmt: skip
-    elif not planned:
+    elif not state.plans.planned:
         report.add("info", label, f"{how} left the scheduler stock: no rule to install")
     else:
         bad = "fail" if needed else "info"
         report.add(bad, label, f"the patch did not apply: {info['error']}")
+
+
+def _scheduler_step(state: _Run, needed: frozenset[Rule]) -> list[str]:
+    """The dry run's lines and one entry per class; returns the classes' problems."""
+    report, dry = state.report, state.dry
+    class_problems: list[str] = []
+    report.data["block_size"] = dry.block_size if dry else None
+    if dry is None:
+        report.add("skip", "dry run", "skipped: this release has nothing to patch")
+        return class_problems
+    _dry_run_lines(state, needed)
+    entries = scheduler_entries(report, dry, state.plans.planned, needed)
+    report.data["schedulers"] = entries
+    report.data["install_records"] = [r.to_json() for r in dry.records]
+    for entry, check in zip(entries, dry.classes, strict=True):
+        if check.error is not None and check.target.custom:
+            state.bad_input.append(f"--scheduler-cls {check.target.qualname}: {check.error}")
+        elif check.error is not None:
+            class_problems.append(check.error)
+        else:
+            class_problems.extend(entry["problems"])
+    seen = {entry["class"] for entry in entries}
+    for name in report.data["dry_run"]["overriding_subclasses"]:
+        if name not in seen:
+            report.warnings.append(
+                f"loaded subclass {name} overrides a patched method; if vLLM uses it, "
+                "the fix does not reach it"
+            )
+    return class_problems
+
+
+def _support_lines(state: _Run) -> None:
+    """What two other modules say this release supports: ending stalls, /metrics."""
+    if state.dry is None:
+        return
+    derived = [c.target.qualname for c in state.dry.classes if c.error is None and c.derives]
+    decided = state.plans.decided
+    active = decided is not None and decided.verdict(Rule.STALL_END).active
+    check_stall_end(state.report, derived, active)
+    check_metrics(state.report)
+
+
+def _without_vllm(report: Report, settings: Settings, version: str | None) -> Report:
+    _delivery_checks(report, settings)
+    report.data["dry_run"] = {"ran": False}
+    return _finish(report, "unknown", version, "", [])
 
 
 def run(
@@ -115,159 +314,41 @@ def run(
 ) -> Report:
     report = Report()
     settings = load_settings()
-    report.data["tool"] = {
-        "name": "vllm-mamba-fix",
-        "version": __version__,
-        "package_path": os.path.dirname(os.path.abspath(vllm_mamba_fix.__file__)),
-        "python": sys.executable,
-    }
-    started = time.perf_counter()
-    version = import_vllm(report)
-    timings = {"import_vllm": round(time.perf_counter() - started, 3)}
-    report.data["timings_seconds"] = timings
-    family = family_for(version) if version is not None else None
-    report.data["family"] = _family_json(family)
-    targets = default_targets(list(scheduler_cls))
-    bad_input: list[str] = []
+    _describe_tool(report)
+    version, family = _import_step(report)
     report.data["schedulers"] = []
     if family is None or version is None:
-        check_entry_point(report)
-        check_vllm_plugins(report)
-        check_settings(report, settings)
-        report.data["dry_run"] = {"ran": False}
-        return _finish(report, "unknown", version, "", bad_input)
-
-    checked = preflight(settings.mode, family, version)
-    should_patch = checked.outcome.waits_for_scheduler
-    dry: DryRun | None = None
-    dry_settings: Settings | None = None
-    base_record: ClassRecord | None = None
-    evidence = Evidence(problem="not read: this release has nothing to patch")
-    if family.verdict is not Verdict.ABSENT:
-        # Disabled, or an unreadable version: run the same path as enabling it would.
-        if not should_patch:
-            mode = Mode.AUTO if family.verdict is not Verdict.UNKNOWN else Mode.FORCE
-            dry_settings = dataclasses.replace(settings, mode=mode, problems=())
-        started = time.perf_counter()
-        dry = dry_run(report, dry_settings, targets, settings, family)
-        timings["dry_run"] = round(time.perf_counter() - started, 3)
-        base_record = dry.base_record
-        if base_record is not None:
-            evidence = base_record.evidence
-        elif dry.base_state is not None:
-            evidence = dry.base_state.evidence
-        else:
-            evidence = dataclasses.replace(UNREADABLE, problem=f"cannot load {BASE_SCHEDULER}")
-    else:
-        report.data["dry_run"] = {"ran": False}
-    read_from = BASE_SCHEDULER if dry is not None and dry.base is not None else None
-    report.data["evidence"] = evidence_json(evidence, read_from)
-
-    # The plan the dry run ran (the record's, or the plugin's decision where it kept none).
-    dry_plan: Plan | None = None
-    if base_record is not None:
-        dry_plan = base_record.plan
-    elif dry is not None and dry.base_state is not None:
-        dry_plan = dry.base_state.plan
-    elif dry is not None:  # the base class could not be loaded
-        dry_mode = dry_settings.mode if dry_settings is not None else settings.mode
-        dry_plan = plan(dataclasses.replace(settings, mode=dry_mode), family, evidence)
-    planned = dry_plan.rules if dry_plan else frozenset()
-    installed = base_record.rules if base_record else frozenset()
-    decided = dry_plan if should_patch else None  # then the dry run used the real settings
-    by_version = version_plan(family, settings.stall_seconds)
-    # What the code says under auto: the dry run's plan when it ran under auto.
-    ran_auto = dry_plan is not None and (dry_settings or settings).mode is Mode.AUTO
-    by_code = (
-        dry_plan
-        if ran_auto and dry_plan
-        else plan(dataclasses.replace(settings, mode=Mode.AUTO), family, evidence)
+        return _without_vllm(report, settings, version)
+    state = _Run(
+        report,
+        settings,
+        version,
+        family,
+        preflight(settings.mode, family, version),
+        default_targets(list(scheduler_cls)),
     )
-
-    spec = check_speculative(speculative_config, version, family, decided, installed)
-    report.data["speculative"] = spec.data
-    if spec.invalid:
-        bad_input.append(spec.invalid)
-    if spec.warning:
-        report.warnings.append(spec.warning)
-    # Rules a --scheduler-cls needs by its own schedule(), though the base does not.
-    needed_by: dict[Rule, list[str]] = {}
-    for check in dry.classes if dry else ():
-        for rule in own_needs(check, verdict.FIX_RULES):
-            needed_by.setdefault(rule, []).append(check.target.qualname)
-    not_eagle = spec.eagle is False
-    needed = verdict.needed_rules(family, settings.mode, by_code, not_eagle, frozenset(needed_by))
-    spared = ""
-    if not_eagle and by_code.verdict(Rule.SPECULATIVE_STALL).active:
-        method = spec.data["resolved_method"]
-        spared = f"speculative-stall [--speculative-config: {method} is not EAGLE-type]"
-
-    rules = rule_table(family, evidence, settings, by_version, by_code, decided, checked.reason)
-    rule_problems = _rule_problems(planned, base_record, dry, report)
-    for entry in rules:
-        rule = Rule(entry["rule"])
-        entry["needed"] = rule in needed if rule in verdict.FIX_RULES else None
-        entry["installs"] = rule in installed
-        entry["needed_by_classes"] = needed_by.get(rule, [])
-        entry["problem"] = rule_problems.get(rule)
-    report.data["rules"] = rules
+    _dry_run_step(state)
+    _views_step(state)
+    needs = _needs_step(state, speculative_config)
+    entries, rule_problems = _rule_entries_step(state, needs)
     chosen = verdict.policy(
-        family, version, needed, should_patch, checked.reason, by_code, spared, needed_by
-    )
+        family, version, needs.needed, state.will_patch, state.checked.reason,
+        state.plans.by_code, needs.spared, needs.needed_by,
+    )  # fmt: skip
     report.data["policy"] = chosen.to_json()
-
     # The human report, in reading order.
-    report.add("info", "family", f"{family.name}: {family.summary}")
-    label = verdict.VERDICT_TEXT[chosen.verdict]
-    mark = "fail" if chosen.verdict in ("needed-will-not-patch", "unsupported") else "ok"
-    reason = chosen.reason
-    report.add(mark, "policy", reason if reason.startswith(label) else f"{label}: {reason}")
-    if dry is not None:
-        report.add("info", "code", evidence_text(evidence))
-    rule_lines(report, rules, family, settings)
-    report.add(spec.mark, "speculative", spec.text)
-    ep_ok = check_entry_point(report)
-    allowed = check_vllm_plugins(report)
-    check_settings(report, settings)
-
-    class_problems: list[str] = []
-    if dry is not None:
-        _dry_run_lines(report, base_record, planned, needed)
-        entries = scheduler_entries(report, dry, planned, needed)
-        report.data["schedulers"] = entries
-        report.data["install_records"] = [r.to_json() for r in dry.records]
-        for entry, check in zip(entries, dry.classes, strict=True):
-            if check.error is not None and check.target.custom:
-                bad_input.append(f"--scheduler-cls {check.target.qualname}: {check.error}")
-            elif check.error is not None:
-                class_problems.append(check.error)
-            else:
-                class_problems.extend(entry["problems"])
-        seen = {entry["class"] for entry in entries}
-        for name in report.data["dry_run"]["overriding_subclasses"]:
-            if name not in seen:
-                report.warnings.append(
-                    f"loaded subclass {name} overrides a patched method; if vLLM uses it, "
-                    "the fix does not reach it"
-                )
-    else:
-        report.add("skip", "dry run", "skipped: this release has nothing to patch")
-    report.data["block_size"] = dry.block_size if dry else None
-
-    delivery = verdict.Delivery(
-        settings.mode,
-        os.environ.get(ENV_MODE),
-        None if ep_ok else report.data["entry_point"].get("error", "entry point missing"),
-        allowed,
-        os.environ.get(ENV_VLLM_PLUGINS),
-    )
+    _headline_lines(state, chosen)
+    rule_lines(report, entries, family, settings, state.facts)
+    report.add(needs.spec.mark, "speculative", needs.spec.text)
+    _support_lines(state)
+    delivery = _delivery_checks(report, settings)
+    class_problems = _scheduler_step(state, needs.needed)
+    rule_problems.update(problems.switched_off(state.plans, needs.needed, settings))
     report.problems.extend(verdict.problems(chosen, delivery, rule_problems, tuple(class_problems)))
-    for entry in rules:
-        if entry["problem"] and not entry["needed"] and entry["active"]:
-            report.warnings.append(entry["problem"])
+    report.warnings.extend(problems.rule_warnings(entries))
     check_platform_plugins(report)
-    status = verdict.status(chosen, bad_input, report.problems)
-    return _finish(report, status, version, reason, bad_input)
+    status = verdict.status(chosen, state.bad_input, report.problems)
+    return _finish(report, status, version, chosen.reason, state.bad_input)
 
 
 __all__ = ["record", "run"]

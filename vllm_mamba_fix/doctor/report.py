@@ -105,3 +105,10 @@ def captured_plugin_log() -> Iterator[LogCapture]:
     finally:
         plugin_logger.removeHandler(capture)
         plugin_logger.level, plugin_logger.propagate = saved
+
+
+def names_text(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    if len(names) <= 2:
+        return " and ".join(names)
+    return f"{', '.join(names[:-1])} and {names[-1]}"

@@ -9,12 +9,21 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from vllm_mamba_fix.config import ENV_MODE, ENV_VLLM_PLUGINS, PLUGIN_NAME, Mode
+from vllm_mamba_fix.doctor.report import names_text
 from vllm_mamba_fix.policy import Plan, Rule
+from vllm_mamba_fix.rules import FIX_RULES
 from vllm_mamba_fix.versions import Family, Verdict
 
-# Rules that end a deadlock. The watchdog only names stalls, so a watchdog that
-# would not install is a warning, never "not protected".
-FIX_RULES = (Rule.SPLIT, Rule.SPECULATIVE_STALL)
+# FIX_RULES (the rule table's ``fixes``) end a deadlock or a wrong token. The watchdog
+# and stall-end only name or end stalls, so one that would not install is a warning,
+# never "not protected".
+# Fix rules that engage per built scheduler: block-unit is needed only where a
+# scheduler's Mamba KV cache block differs from cache_config.block_size. A dry run
+# builds no scheduler, so it is needed only by what a built one's record shows.
+PER_SCHEDULER: frozenset[Rule] = frozenset({Rule.BLOCK_UNIT})
+PER_SCHEDULER_TEXT = (
+    "engages per scheduler where the Mamba KV cache's block differs from cache_config.block_size"
+)
 
 VERDICT_TEXT = {
     "needed-will-patch": "needed, will patch",
@@ -35,12 +44,14 @@ def needed_rules(
 
     ``not_eagle``: a --speculative-config that is not EAGLE-type, so the
     speculative stall cannot arise. ``needed_by_classes``: rules a scheduler
-    class needs by its own ``schedule()``.
+    class needs by its own ``schedule()``, and per-scheduler rules a built
+    scheduler's record shows are needed.
     """
     if family.verdict is Verdict.UNKNOWN:
         needed = {Rule.SPLIT} if mode is Mode.FORCE else set()
     else:
-        needed = {r for r in FIX_RULES if by_code.verdict(r).active} | set(needed_by_classes)
+        by_release = {r for r in FIX_RULES if r not in PER_SCHEDULER and by_code.verdict(r).active}
+        needed = by_release | set(needed_by_classes)
     if not_eagle:
         needed.discard(Rule.SPECULATIVE_STALL)
     return frozenset(needed)
@@ -85,14 +96,17 @@ def policy(
             # Code or version; only force on an unreadable version needs it by setting.
             def basis(rule: Rule) -> str:
                 chosen = by_code.verdict(rule)
+                classes = ", ".join(needed_by.get(rule, ())) if needed_by else ""
+                if rule in PER_SCHEDULER and classes:
+                    return f"the block sizes of the built {classes}"
                 if chosen.active:
                     return chosen.basis
-                if needed_by and needed_by.get(rule):
-                    return f"the code of {', '.join(needed_by[rule])}"
+                if classes:
+                    return f"the code of {classes}"
                 return "setting"
 
-            reason = f"vLLM {version} needs " + " and ".join(
-                f"{r.value} (by {basis(r)})" for r in FIX_RULES if r in needed
+            reason = f"vLLM {version} needs " + names_text(
+                [f"{r.value} (by {basis(r)})" for r in FIX_RULES if r in needed]
             )
     elif family.verdict is Verdict.UNKNOWN:
         verdict = "unsupported"
@@ -102,7 +116,15 @@ def policy(
             parts = [
                 f"{v.rule.value} [{v.basis}: {v.reason}]"
                 for v in by_code.verdicts
-                if v.rule in FIX_RULES and not (spared and v.rule is Rule.SPECULATIVE_STALL)
+                if v.rule in FIX_RULES
+                and v.rule not in PER_SCHEDULER
+                and not (spared and v.rule is Rule.SPECULATIVE_STALL)
+            ]
+            parts += [
+                f"{v.rule.value} [needed only where a built scheduler's Mamba KV cache block "
+                "differs from cache_config.block_size; none shows it]"
+                for v in by_code.verdicts
+                if v.rule in PER_SCHEDULER and v.active
             ]
             listed = "; ".join([*parts, spared] if spared else parts)
             reason = f"not needed on vLLM {version}: {listed}"

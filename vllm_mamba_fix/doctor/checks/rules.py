@@ -1,17 +1,24 @@
-"""The code evidence and, per rule, what the version says, what the code says, and which decided."""
+"""The code evidence and, per rule of the table, what the version says, what the code says,
+and which decided; then one line (or a few) per rule."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_mamba_fix.config import ENV_STALL_SECONDS, Mode, Settings
+from vllm_mamba_fix import rules
+from vllm_mamba_fix.config import ENV_END_STALLS_AFTER, ENV_STALL_SECONDS, Mode, Settings
+from vllm_mamba_fix.doctor.plans import BlockFact, Views
 from vllm_mamba_fix.doctor.report import Report
+from vllm_mamba_fix.doctor.verdict import PER_SCHEDULER_TEXT
 from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.policy import Plan, Rule, RuleVerdict
-from vllm_mamba_fix.rules import RULE_METHOD, plan
+from vllm_mamba_fix.policy import Rule, RuleVerdict
 from vllm_mamba_fix.versions import Family
 
-_A_SETTING = {"active": None, "reason": f"a setting ({ENV_STALL_SECONDS}), not a fix"}
+NOT_SEEN = "a dry run builds no scheduler, so it cannot tell yet"
+PIN_HINT = (
+    "vLLM's own chunks can end inside a cached block and cache a stale Mamba state "
+    "(vLLM #54076): pin --block-size to the cache's block"
+)
 
 
 def evidence_json(evidence: Evidence, read_from: str | None) -> dict[str, Any]:
@@ -38,14 +45,21 @@ def evidence_text(evidence: Evidence) -> str:
     return f"{order}; {free}"
 
 
+def _a_setting(spec: rules.RuleSpec) -> dict[str, Any]:
+    return {"active": None, "reason": f"a setting ({spec.switch}), not a fix"}
+
+
 def _code_verdict(
-    rule: Rule, family: Family, evidence: Evidence, by_code: RuleVerdict
+    spec: rules.RuleSpec, family: Family, evidence: Evidence, by_code: RuleVerdict
 ) -> dict[str, Any]:
-    """What the code alone says about ``rule``: active None when it says nothing."""
-    if rule is Rule.STALL_WATCHDOG:
-        return dict(_A_SETTING)
+    """What the code alone says about a rule: active None when it says nothing."""
+    rule = spec.rule
+    if not spec.fixes:
+        return _a_setting(spec)
     if by_code.basis == "code":
         return {"active": by_code.active, "reason": by_code.reason}
+    if rule is Rule.BLOCK_UNIT:
+        return {"active": None, "reason": "not read from code: each built scheduler's KV cache"}
     if rule is Rule.SPECULATIVE_STALL and not family.drafter_fallback:
         return {"active": None, "reason": "not consulted: no drafter fallback on this release"}
     if rule is Rule.SPLIT:
@@ -54,32 +68,28 @@ def _code_verdict(
 
 
 def rule_table(
-    family: Family,
-    evidence: Evidence,
-    settings: Settings,
-    by_version: Plan,
-    by_code: Plan,
-    decided: Plan | None,
-    inactive_reason: str,
+    family: Family, views: Views, settings: Settings, inactive_reason: str
 ) -> list[dict[str, Any]]:
-    """Per rule: the version's and the code's verdicts, and which one decided."""
-    rules: list[dict[str, Any]] = []
-    for rule in Rule:
-        by_release = by_version.verdict(rule)
+    """Per rule of the table: the version's and the code's verdicts, and which one decided."""
+    entries: list[dict[str, Any]] = []
+    for spec in rules.RULES:
+        by_release = views.by_version.verdict(spec.rule)
         version = {"active": by_release.active, "reason": by_release.reason}
-        if rule is Rule.STALL_WATCHDOG:
-            version = dict(_A_SETTING)
-        code = _code_verdict(rule, family, evidence, by_code.verdict(rule))
-        if decided is not None:
-            chosen = decided.verdict(rule)
+        if not spec.fixes:
+            version = _a_setting(spec)
+        code = _code_verdict(spec, family, views.evidence, views.by_code.verdict(spec.rule))
+        if views.decided is not None:
+            chosen = views.decided.verdict(spec.rule)
             active, basis, reason = chosen.active, chosen.basis, chosen.reason
         else:
             active, basis = False, "setting" if settings.mode is Mode.OFF else "version"
             reason = inactive_reason
-        rules.append(
+        entries.append(
             {
-                "rule": rule.value,
-                "method": RULE_METHOD[rule],
+                "rule": spec.rule.value,
+                "method": spec.method,
+                "switch": spec.switch,
+                "fixes": spec.fixes,
                 "version": version,
                 "code": code,
                 "decided_by": basis,
@@ -87,32 +97,71 @@ def rule_table(
                 "reason": reason,
             }
         )
-    return rules
+    return entries
 
 
-def version_plan(family: Family, stall_seconds: float | None) -> Plan:
-    """What the release data alone decides (no code read)."""
-    return plan(Settings(stall_seconds=stall_seconds), family, Evidence())
+def _setting_rule_line(report: Report, entry: dict[str, Any], settings: Settings) -> None:
+    rule = Rule(entry["rule"])
+    if not entry["active"]:
+        report.add("info", rule.value, f"inactive, by {entry['decided_by']}: {entry['reason']}")
+        return
+    if rule is Rule.STALL_END:
+        text = (
+            f"active ({ENV_END_STALLS_AFTER}): ends the request of a stall no rule can end, "
+            f"{settings.end_stalls_after:g} s after the watchdog names it"
+        )
+    else:
+        text = (
+            f"active ({ENV_STALL_SECONDS}): names a request that gets 0 tokens for "
+            f"{settings.stall_seconds:g} s and 3+ steps"
+        )
+    mark = "ok"
+    if entry["problem"]:
+        text, mark = f"{text}; but it would NOT install (see the warning)", "warn"
+    report.add(mark, rule.value, text)
+
+
+def _block_rule_lines(
+    report: Report, entry: dict[str, Any], facts: tuple[BlockFact, ...], family: Family
+) -> None:
+    """block-unit: active by the table; engaged per scheduler, which only a built one shows."""
+    decided = f"by {entry['decided_by']}: {entry['reason']}"
+    has_split = entry["version"]["active"]
+    if entry["problem"]:
+        mark = "fail" if entry["needed"] else "warn"
+        report.add(mark, Rule.BLOCK_UNIT.value, f"would NOT apply; active {decided}")
+    elif entry["active"]:
+        report.add("ok", Rule.BLOCK_UNIT.value, f"active, {decided}")
+    else:
+        mark = "fail" if entry["needed"] else ("warn" if has_split else "info")
+        report.add(mark, Rule.BLOCK_UNIT.value, f"inactive, {decided}")
+    if not has_split:
+        return
+    if not facts:
+        report.add("info", "", f"{PER_SCHEDULER_TEXT}; {NOT_SEEN}")
+    for fact in facts:
+        report.add("info", "", fact.describe())
+    if not entry["active"] and not entry["needed"]:
+        report.add("info", "", f"where a scheduler's two block sizes differ, {PIN_HINT}")
+    if entry["problem"]:
+        report.add("fail" if entry["needed"] else "warn", "", entry["problem"])
 
 
 def rule_lines(
-    report: Report, rules: list[dict[str, Any]], family: Family, settings: Settings
+    report: Report,
+    entries: list[dict[str, Any]],
+    family: Family,
+    settings: Settings,
+    facts: tuple[BlockFact, ...],
 ) -> None:
     yes = {True: "needed", False: "not needed", None: "says nothing"}
-    for entry in rules:
+    for entry in entries:
         rule = Rule(entry["rule"])
-        if rule is Rule.STALL_WATCHDOG:
-            if entry["active"]:
-                text = (
-                    f"active ({ENV_STALL_SECONDS}): names a request that gets 0 tokens for "
-                    f"{settings.stall_seconds:g} s and 3+ steps"
-                )
-                mark = "ok"
-                if entry["problem"]:
-                    text, mark = f"{text}; but it would NOT install (see the warning)", "warn"
-            else:
-                text, mark = f"inactive, by {entry['decided_by']}: {entry['reason']}", "info"
-            report.add(mark, rule.value, text)
+        if not entry["fixes"]:
+            _setting_rule_line(report, entry, settings)
+            continue
+        if rule is Rule.BLOCK_UNIT:
+            _block_rule_lines(report, entry, facts, family)
             continue
         decided = f"by {entry['decided_by']}: {entry['reason']}"
         if entry["needed"] and entry["problem"]:

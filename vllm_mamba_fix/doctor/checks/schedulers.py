@@ -2,10 +2,10 @@
 
 Each class is settled by ``plugin.check_class(cls)``, the same check the engine
 runs when it builds a scheduler (without a built scheduler, so no block size);
-doctor reads the :class:`~vllm_mamba_fix.record.ClassRecord` it returns, and
-verifies on the live classes that every method the record says carries a rule
-resolves to the plugin's wrapper. The plugin's log lines are captured to show
-them, never to decide.
+doctor reads the :class:`~vllm_mamba_fix.record.ClassRecord` it returns (the
+plugin records the base class even where it installs nothing), and verifies on
+the live classes that every method the record says carries a rule resolves to the
+plugin's wrapper. The plugin's log lines are captured to show them, never to decide.
 """
 
 from __future__ import annotations
@@ -21,25 +21,19 @@ from vllm_mamba_fix.doctor.checks.vllm_import import resolve_class
 from vllm_mamba_fix.doctor.report import (
     Report,
     captured_plugin_log,
+    names_text,
     qualname_of,
     stdout_to_stderr,
 )
-from vllm_mamba_fix.evidence import Evidence, defining_class, read_evidence
-from vllm_mamba_fix.policy import Plan, Rule
+from vllm_mamba_fix.doctor.verdict import PER_SCHEDULER
+from vllm_mamba_fix.evidence import defining_class
+from vllm_mamba_fix.policy import Rule
 from vllm_mamba_fix.record import ClassRecord, MethodState
-from vllm_mamba_fix.rules import RULE_METHOD, RULE_METHODS, plan
-from vllm_mamba_fix.targets import (
-    FREE_REQUEST_METHOD,
-    INIT_METHOD,
-    SCHEDULER_CLASS,
-    SCHEDULER_MODULE,
-    check_target,
-)
-from vllm_mamba_fix.versions import Family
+from vllm_mamba_fix.rules import ALL_WRAPPED, FIX_RULES, RULE_METHOD, RULE_METHODS, SPLIT_RULES
+from vllm_mamba_fix.targets import SCHEDULER_CLASS, SCHEDULER_MODULE
 
 BASE_SCHEDULER = f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS}"
 ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
-_ALL_WRAPPED = (*RULE_METHODS, INIT_METHOD, FREE_REQUEST_METHOD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,30 +58,16 @@ class ClassCheck:
     target: Target
     error: str | None  # why it could not be loaded
     derives: bool  # from the base Scheduler
-    record: ClassRecord | None  # None: not loaded, not derived, or the plugin did not install
+    record: ClassRecord | None  # None: not loaded, not derived, or the plugin kept none
     resolves_to_wrapper: dict[str, bool]  # per rule method, checked while the patch is on
     # Defines a schedule() of its own (not the base's), so its code evidence is its own.
     own_schedule: bool = False
-    # Where the plugin installed nothing (no record): its plan for this class's own code.
-    unsettled_plan: Plan | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class BaseState:
-    """What the plugin decides for the base class, and why a planned rule stays stock."""
-
-    plan: Plan
-    evidence: Evidence
-    problems: dict[str, str]  # per rule method that cannot carry its wrapper
 
 
 @dataclasses.dataclass(frozen=True)
 class DryRun:
     base: type | None
-    base_record: ClassRecord | None
-    # Where the plugin installed nothing (so it keeps no record), the same typed
-    # decision it made: its plan and the shape checks of the methods.
-    base_state: BaseState | None
+    base_record: ClassRecord | None  # None only where the plugin never ran or the base is missing
     wrapped: tuple[str, ...]  # the rule methods wrapped on the base class
     classes: tuple[ClassCheck, ...]
     records: tuple[ClassRecord, ...]  # record.records() while the patch was on
@@ -142,55 +122,35 @@ def _check_all(targets: list[Target]) -> list[ClassCheck]:
             continue
         resolves = {name: patch.resolves_to_wrapper(cls, name) for name in RULE_METHODS}
         own = derives and defining_class(cls, "schedule") not in (None, base)
+        # The record as it stands now: settling a later class may have put a wrapper on a
+        # base of this one, and the plugin re-describes the classes settled before.
+        if found is not None:
+            found = record.recorded(found.scheduler_class) or found
         checks.append(ClassCheck(target, None, derives, found, resolves, own))
     return checks
 
 
-def _base_state(base: type, settings: Settings, family: Family) -> BaseState:
-    """The plugin's decision for ``base`` from the same typed functions it runs."""
-    evidence = read_evidence(base)
-    decided = plan(settings, family, evidence)
-    methods = {RULE_METHOD[rule] for rule in decided.rules}
-    problems = {name: check_target(base, name) for name in RULE_METHODS if name in methods}
-    return BaseState(decided, evidence, {k: v for k, v in problems.items() if v is not None})
-
-
-def _unsettled(check: ClassCheck, settings: Settings, family: Family) -> ClassCheck:
-    """A subclass the plugin never checks (it installed nothing): what its own code needs."""
-    if check.record is not None or not check.own_schedule:
-        return check  # settled, or it runs the base's schedule() and so the base's plan
-    evidence = read_evidence(resolve_class(check.target.qualname))
-    decided = plan(settings, family, evidence)
-    return dataclasses.replace(check, unsettled_plan=decided)
-
-
-def _not_installed(
-    base: type | None, base_record: ClassRecord | None, state: BaseState | None
-) -> str:
-    """Why no rule wrapper is on the base class, from the typed record or decision."""
+def _not_installed(base: type | None, base_record: ClassRecord | None) -> str:
+    """Why no rule wrapper is on the base class, from its typed record."""
     if base is None:
         return f"cannot load {BASE_SCHEDULER}"
-    if base_record is not None:
-        if not base_record.plan.rules:
-            return f"no rule to install: {base_record.plan.describe()}"
-        notes = [m.describe() for m in base_record.methods if not m.state.carries_rules]
-        return "; ".join(notes) or "no wrapper was installed"
-    if state is None:
-        return "the plugin did not install (its import hook never ran)"
-    if not state.plan.rules:
-        return f"no rule to install: {state.plan.describe()}"
-    return "; ".join(state.problems.values()) or "no wrapper was installed"
+    if base_record is None:
+        return "the plugin kept no record of the base class (its import hook never ran)"
+    if not base_record.plan.rules:
+        return f"no rule to install: {base_record.plan.describe()}"
+    notes = [m.describe() for m in base_record.methods if not m.state.carries_rules]
+    return "; ".join(notes) or "no wrapper was installed"
 
 
-def dry_run(
-    report: Report,
-    settings: Settings | None,
-    targets: list[Target],
-    effective: Settings,
-    family: Family,
-) -> DryRun:
-    """``settings`` None: the entry point's own call, reading the real environment
-    (``effective`` is what it reads).
+def _left_stock(base_record: ClassRecord, wrapped: tuple[str, ...]) -> str | None:
+    """Why a method the base's plan gives a rule carries no wrapper; None: none is left."""
+    wanted = {RULE_METHOD[rule] for rule in base_record.plan.rules}
+    left = [m for m in base_record.methods if m.name in wanted and m.name not in wrapped]
+    return "; ".join(m.note or m.describe() for m in left) or None
+
+
+def dry_run(report: Report, settings: Settings | None, targets: list[Target]) -> DryRun:
+    """``settings`` None: the entry point's own call, reading the real environment.
 
     Otherwise the same code path runs with the settings given (``auto`` when
     disabled, ``force`` for an unreadable version) to tell whether the patch
@@ -203,7 +163,7 @@ def dry_run(
     pre_imported = SCHEDULER_MODULE in sys.modules
     with captured_plugin_log() as capture, stdout_to_stderr():
         base_now = _base_or_none() if pre_imported else None
-        already = base_now is not None and any(patch.is_wrapped(base_now, n) for n in _ALL_WRAPPED)
+        already = base_now is not None and any(patch.is_wrapped(base_now, n) for n in ALL_WRAPPED)
         plugin.register(settings)
         # Import the classes after register(), as vLLM does: exercises the import hook.
         checks = _check_all(targets)
@@ -211,12 +171,6 @@ def dry_run(
         base_record = next(
             (c.record for c in checks if c.target.qualname == BASE_SCHEDULER and c.record), None
         )
-        if base_record is None and base is not None:
-            base_record = plugin.check_class(base)
-        state = None
-        if base_record is None and base is not None:
-            state = _base_state(base, settings or effective, family)
-            checks = [_unsettled(check, settings or effective, family) for check in checks]
         wrapped = tuple(n for n in RULE_METHODS if base is not None and patch.is_wrapped(base, n))
         overriders = _overriding_subclasses(base) if base is not None else []
         records = record.records()
@@ -225,7 +179,7 @@ def dry_run(
             changed = patch.changed_classes()
             plugin.unregister()  # also drops a pending import hook, if any
             restored = not patch.changed_classes() and not any(
-                patch.is_wrapped(cls, name) for cls in changed for name in _ALL_WRAPPED
+                patch.is_wrapped(cls, name) for cls in changed for name in ALL_WRAPPED
             )
     info.update(
         patched=bool(wrapped),
@@ -236,20 +190,27 @@ def dry_run(
         overriding_subclasses=overriders,
         log=capture.messages(logging.DEBUG),
     )
+    # Why a method the plan gives a rule stays stock (null: none does).
     if not wrapped:
-        info["error"] = _not_installed(base, base_record, state)
+        info["error"] = _not_installed(base, base_record)
+    else:
+        info["error"] = _left_stock(base_record, wrapped) if base_record else None
     if not restored:
         report.warnings.append("the dry run could not restore the stock methods (harmless here)")
     block = next((r.block.mamba for r in records if r.block is not None), None)
-    return DryRun(base, base_record, state, wrapped, tuple(checks), records, block)
+    return DryRun(base, base_record, wrapped, tuple(checks), records, block)
 
 
-def own_needs(check: ClassCheck, fix_rules: tuple[Rule, ...]) -> frozenset[Rule]:
-    """Fix rules a class needs by its own ``schedule()`` (not the base's)."""
-    if not check.own_schedule:
+def own_needs(check: ClassCheck) -> frozenset[Rule]:
+    """Fix rules a class needs by its own ``schedule()`` (not the base's): its record's code
+    verdicts. A rule that engages per scheduler is needed by what a built one shows."""
+    if not check.own_schedule or check.record is None:
         return frozenset()
-    decided = check.record.plan if check.record is not None else check.unsettled_plan
-    return frozenset(r for r in decided.rules if r in fix_rules) if decided else frozenset()
+    return frozenset(
+        v.rule
+        for v in check.record.plan.verdicts
+        if v.active and v.basis == "code" and v.rule in FIX_RULES and v.rule not in PER_SCHEDULER
+    )
 
 
 def _method_json(check: ClassCheck, name: str) -> dict[str, Any]:
@@ -292,36 +253,50 @@ def scheduler_entries(
                 entry["problems"].append(text)
             continue
         found = check.record
-        unsettled = own_needs(check, tuple(Rule)) if found is None else frozenset()
-        if unsettled:
-            rules = " and ".join(r.value for r in Rule if r in unsettled)
-            text = (
-                f"{name} ({role}) needs {rules} by its own schedule(), but the plugin installs "
-                "nothing on this release, so it never checks this class"
-            )
-            report.add("fail", label, text)
-            entry["problems"].append(text)
+        if found is None:
+            why = report.data["dry_run"].get("error") or "the plugin kept no record"
+            report.add("info", label, f"{name} ({role}): not settled: {why}")
             continue
-        class_planned = planned | (found.plan.rules if found else frozenset())
-        class_needed = needed | own_needs(check, tuple(needed | class_planned))
-        clean = _method_lines(report, entry, check, class_planned, class_needed)
-        if not clean:
-            continue
-        carried = sorted(m.name for m in found.methods if m.state.carries_rules) if found else []
-        if carried:
-            entry["reached"] = all(check.resolves_to_wrapper[m] for m in carried)
-            rules = ", ".join(r.value for r in Rule if r in found.rules) if found else ""
-            report.add("ok", label, f"{name} ({role}) resolves the plugin's {' and '.join(carried)}"
-                       f" ({rules})")  # fmt: skip
-        elif class_planned:
-            methods_text = " and ".join(sorted({RULE_METHOD[r] for r in class_planned}))
-            report.add("info", label, f"{name} ({role}) inherits {methods_text}")
-        else:
-            report.add("info", label, f"{name} ({role}): nothing to patch")
-        for method in found.methods if found else ():
-            if method.state is MethodState.WRAPPED_REPLACEMENT or method.note:
-                report.add("info", "", method.describe())
+        class_planned = planned | found.plan.rules
+        class_needed = needed | own_needs(check)
+        if _method_lines(report, entry, check, class_planned, class_needed):
+            _runs_lines(report, entry, check, found)
     return entries
+
+
+def _in_table_order(chosen: frozenset[Rule]) -> list[str]:
+    return [rule.value for rule in Rule if rule in chosen]
+
+
+def _runs_lines(
+    report: Report, entry: dict[str, Any], check: ClassCheck, found: ClassRecord
+) -> None:
+    """What runs for a class whose methods all carry what they should, from its record."""
+    name, role = check.target.qualname, check.target.role
+    carried = [m.name for m in found.methods if m.state.carries_rules and m.rules]
+    runs = ", ".join(_in_table_order(found.rules))
+    if carried:
+        entry["reached"] = all(check.resolves_to_wrapper[m] for m in carried)
+        text = f"{name} ({role}) resolves the plugin's {' and '.join(carried)}"
+        report.add("ok", "scheduler", f"{text} ({runs or 'no rule runs'})")
+    elif found.plan.rules:
+        left = names_text(_in_table_order(found.left_out))
+        report.add("info", "scheduler", f"{name} ({role}): no rule runs; {left} left out")
+    else:
+        report.add("info", "scheduler", f"{name} ({role}): nothing to patch")
+    for rule in sorted(found.inherited, key=list(Rule).index):
+        method = found.method(RULE_METHOD[rule])
+        owner = method.owner if method else "a base class"
+        report.add("info", "", f"inherits {rule.value} from {owner}'s wrapper (its own plan "
+                   "does not need it)")  # fmt: skip
+    if found.split_idle:
+        idle = names_text(_in_table_order(found.plan.rules & SPLIT_RULES))
+        report.add("info", "", f"split rules idle ({idle or 'none planned'}): {found.split_idle}")
+    if found.block is not None:
+        report.add("info", "", f"block size of the scheduler built last: {found.block.describe()}")
+    for method in found.methods:
+        if method.state is MethodState.WRAPPED_REPLACEMENT or method.note:
+            report.add("info", "", method.describe())
 
 
 def _method_lines(
@@ -335,7 +310,7 @@ def _method_lines(
     name, role = check.target.qualname, check.target.role
     clean = True
     for method in RULE_METHODS:
-        rules = sorted(r.value for r in planned if RULE_METHOD[r] == method)
+        rules = names_text([r.value for r in Rule if r in planned and RULE_METHOD[r] == method])
         if not rules:
             continue
         breaks = any(RULE_METHOD[r] == method for r in needed)
@@ -343,13 +318,13 @@ def _method_lines(
         overridden = entry["methods"][method]["overridden_by"]
         if found is not None and found.state is MethodState.OVERRIDDEN:
             text = f"{name} ({role}) overrides {method} in {overridden or found.owner}; "
-            text += f"{' and '.join(rules)} do not reach it"
+            text += f"{rules} do not reach it"
         elif (
             found is not None
             and found.state is MethodState.UNPATCHABLE
             and found.owner != BASE_SCHEDULER  # the base's own: the rule's problem says it
         ):
-            text = f"{name} ({role}): {found.describe()}; {' and '.join(rules)} do not reach it"
+            text = f"{name} ({role}): {found.describe()}; {rules} do not reach it"
         elif (
             found is not None
             and found.state.carries_rules

@@ -1,10 +1,15 @@
-"""The plugin's own settings (``VLLM_MAMBA_FIX*``), as the plugin will read them."""
+"""The plugin's own settings (``VLLM_MAMBA_FIX*``), as the plugin will read them.
+
+The raw values come through :func:`vllm_mamba_fix.config.raw_values`, the one reader
+of the environment; the per-rule switches are the rule table's.
+"""
 
 from __future__ import annotations
 
-import os
+from typing import Any
 
-from vllm_mamba_fix.config import ENV_MODE, ENV_SCOPE, ENV_STALL_SECONDS, Settings
+from vllm_mamba_fix import config, rules
+from vllm_mamba_fix.config import Settings
 from vllm_mamba_fix.doctor.report import Report
 
 
@@ -12,21 +17,43 @@ def watchdog_text(seconds: float | None) -> str:
     return "stall watchdog off" if seconds is None else f"stall watchdog after {seconds:g} s"
 
 
+def stall_end_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "stalls no rule can end are never ended"
+    return f"a stall no rule can end is ended {seconds:g} s after it is named"
+
+
+def switches(settings: Settings) -> dict[str, dict[str, Any]]:
+    """Per rule switch of the table (``config.SWITCHES``): the rule and whether it is on."""
+    return {
+        spec.switch: {"rule": spec.rule.value, "on": settings.switched_on(spec.switch)}
+        for spec in rules.RULES
+        if spec.switch in config.SWITCHES
+    }
+
+
 def check_settings(report: Report, settings: Settings) -> None:
-    env = {name: os.environ.get(name) for name in (ENV_MODE, ENV_SCOPE, ENV_STALL_SECONDS)}
+    env = config.raw_values(config.ALL_VARIABLES)
+    switched = switches(settings)
     report.data["settings"] = {
         "mode": settings.mode.value,
         "scope": settings.scope.value,
         "stall_seconds": settings.stall_seconds,
+        "end_stalls_after": settings.end_stalls_after,
+        "switches": switched,
         "env": env,
         "problems": list(settings.problems),
     }
     text = (
         f"mode {settings.mode.value}, scope {settings.scope.value}, "
-        f"{watchdog_text(settings.stall_seconds)}"
+        f"{watchdog_text(settings.stall_seconds)}, {stall_end_text(settings.end_stalls_after)}"
     )
-    set_vars = ", ".join(f"{k}={v!r}" for k, v in env.items() if v is not None)
     report.add("ok" if not settings.problems else "warn", "settings", text)
+    states = ", ".join(
+        f"{name} {'on' if s['on'] else 'OFF'} ({s['rule']})" for name, s in switched.items()
+    )
+    report.add("info", "", f"rule switches: {states}")
+    set_vars = ", ".join(f"{k}={v!r}" for k, v in env.items() if v is not None)
     if set_vars:
         report.add("info", "", f"from {set_vars}")
     for problem in settings.problems:

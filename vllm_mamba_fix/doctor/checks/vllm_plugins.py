@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
-from vllm_mamba_fix.config import ENV_VLLM_PLUGINS, PLUGIN_NAME, vllm_plugins_allows
+from vllm_mamba_fix.config import ENV_VLLM_PLUGINS, PLUGIN_NAME, raw_values, vllm_plugins_allows
 from vllm_mamba_fix.doctor.report import Report
 
 PLATFORM_GROUP = "vllm.platform_plugins"
 
 
 def check_vllm_plugins(report: Report) -> bool:
-    raw = os.environ.get(ENV_VLLM_PLUGINS)
+    raw = raw_values((ENV_VLLM_PLUGINS,))[ENV_VLLM_PLUGINS]
     allows = vllm_plugins_allows()
     report.data["vllm_plugins"] = {"value": raw, "allows": allows}
     label = ENV_VLLM_PLUGINS
