@@ -114,8 +114,10 @@ def probe() -> dict[str, Any]:
             m: {s.name: s.run(by_name[m]) for s in scenarios} for m, scenarios in runnable.items()
         }
         harness.load_plugins()
-        default_active = harness.split_is_wrapped()
+        # The split rule, not merely a wrapped split: the block-unit rule wraps it everywhere.
+        default_active = harness.split_rule_installed()
         default_methods = _wrapped_methods()
+        default_rules = _installed_rules()
         if with_base:
             speculative = _speculative_stall_probe(stock_only=False) if default_methods else None
             videos = _video_probe() if default_methods else None
@@ -158,9 +160,22 @@ def probe() -> dict[str, Any]:
         "architecture": harness.supported_architecture(),
         "default_active": default_active,
         "default_methods": default_methods,
+        "default_rules": default_rules,
         "modes": per_mode,
         "base": base,
     }
+
+
+def _installed_rules() -> list[str]:
+    """The rules the wrappers installed now carry, in the rule table's order."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_mamba_fix import rules
+
+    carried = set().union(
+        *(rules.carried_by(Scheduler.__dict__.get(n), n) for n in rules.RULE_METHODS)
+    )
+    return [spec.rule.value for spec in rules.RULES if spec.rule in carried]
 
 
 def _wrapped_methods() -> list[str]:
@@ -328,12 +343,11 @@ def _describe(row: Row, data: dict[str, Any]) -> None:
     row.modes["two videos (sync, issue 15)"] = _video_cell(data)
     acts = data["actions"]
     summary = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in acts.items() if v) or "no change"
+    rules = ", ".join(data.get("default_rules") or [])
     if data["default_active"]:
-        row.does = f"patches: {summary}"
-    elif data.get("default_methods"):
-        row.does = (
-            f"by default: speculative-stall rule and watchdog only; force adds the split: {summary}"
-        )
+        row.does = f"patches ({rules}): {summary}"
+    elif rules:
+        row.does = f"by default: {rules} (no split rule); force adds the split: {summary}"
     else:
         row.does = f"inactive by default (not needed); force: {summary}"
 
@@ -455,8 +469,9 @@ def _run_cells(
 def merge(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One release's probe, in the shape _describe reads, from its cells' stored parts."""
     first = next(iter(cells.values()))["probe"]
-    shared = ("version", "family", "architecture", "default_active", "default_methods")
-    data: dict[str, Any] = {k: first[k] for k in shared}
+    shared = ("version", "family", "architecture", "default_active", "default_methods",
+              "default_rules")  # fmt: skip
+    data: dict[str, Any] = {k: first.get(k) for k in shared}
     base = (cells.get(matrix_cache.BASE) or {}).get("probe", {}).get(matrix_cache.BASE) or {}
     data["speculative_stall"] = base.get("speculative_stall")
     data["videos"] = base.get("videos")

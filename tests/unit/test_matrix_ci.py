@@ -123,7 +123,8 @@ def test_settings_name_the_hypothesis_profile(monkeypatch: pytest.MonkeyPatch) -
 # tools.matrix._run_cells returns them. What is tested is run_release's reuse.
 def _probe(cell: str) -> dict[str, Any]:
     common = {"version": "0.27.1", "family": "0.27", "architecture": "Qwen3_5",
-              "default_active": True, "default_methods": ["split"]}  # fmt: skip
+              "default_active": True, "default_methods": ["split"],
+              "default_rules": ["split"]}  # fmt: skip
     if cell == "base":
         return {**common, "base": {"speculative_stall": None, "videos": None}}
     result = {"completed": True, "stall_at": {}, "violations": 0, "steps": 5}
@@ -174,7 +175,7 @@ def test_a_rerun_reuses_finished_cells_and_runs_only_the_missing(
     again = matrix.run_release("0.27.1", 60, [], ["sync", "async"], _keys(cache))
     assert runs.calls[1:] == [["async"]]  # base and sync came from the cache
     assert (again.cells_run, again.cells_reused) == (1, 2) and again.result == "pass"
-    assert again.passed == 6 and "patches: 2 collapses prevented" in again.does
+    assert again.passed == 6 and again.does == "patches (split): 2 collapses prevented"
     matrix.run_release("0.27.1", 60, [], ["sync", "async"], _keys(cache))
     assert len(runs.calls) == 2  # nothing left to run
     matrix.run_release("0.27.1", 60, [], ["sync"], _keys(cache), fresh=True)
