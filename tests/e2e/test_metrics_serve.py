@@ -8,20 +8,32 @@ appear at the API server's ``/metrics`` with no other server or port:
   the number of correction lines the engine core logged for it (the plugin's logger at DEBUG,
   so the lines after a request's first one are seen too), and by at least the running totals
   on the last INFO correction line;
-- ended: with the split rule off (``VLLM_MAMBA_FIX_SPLIT_RULE=0``, a test switch that leaves
-  vLLM's split stock) the request stalls; the watchdog names it and the stall-ending rule
-  finishes it; ``stalls_named`` and ``stalls_ended`` rose by the lines that say so.
+- named and ended: one more server, with the split rule off (``VLLM_MAMBA_FIX_SPLIT_RULE=0``,
+  which leaves vLLM's split stock while the watchdog runs) and the watchdog at 3 s: the
+  request stalls, the watchdog's WARNING line appears and ``stalls_named`` rose by one
+  scraped after it; then the stall-ending rule (5 s) finishes the request and
+  ``stalls_ended`` rose by one. The ended half is skipped, with the reason, where the rule
+  is not wired (``_stall_end_rule_missing``).
+
+Engine starts: 2 (about 30-90 s each).
 """
 
 from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.serve_helpers import logging_config_env, run_server, sample_key, scrape_metrics
+from tests.e2e.serve_helpers import (
+    Server,
+    logging_config_env,
+    run_server,
+    sample_key,
+    scrape_metrics,
+)
 from tests.e2e.test_serve import StreamingRequest
 from vllm_mamba_fix import counters, metrics
 from vllm_mamba_fix.decision import Action
@@ -104,43 +116,101 @@ def _stall_end_rule_missing() -> str | None:
     """Why the ended half cannot run here, or None."""
     import importlib.util
 
+    from vllm_mamba_fix import rules
+
     if importlib.util.find_spec("vllm_mamba_fix.stall_end") is None:
         return (
             "the stall-ending rule (VLLM_MAMBA_FIX_END_STALLS_AFTER, vllm_mamba_fix/stall_end.py) "
             "is not built yet: no stall can be ended, so stalls_ended cannot rise"
         )
+    from vllm_mamba_fix.stall_end import UPDATE_METHOD
+
+    if UPDATE_METHOD not in rules.ALL_WRAPPED:
+        # stall_end.support_of() then says "not ended: the plugin's update_from_output
+        # wrapper is not installed": the stall is named, never ended.
+        return (
+            f"the stall-ending rule is not wired: the plugin does not wrap "
+            f"Scheduler.{UPDATE_METHOD} (not in rules.ALL_WRAPPED), so a named stall is never "
+            "ended and stalls_ended cannot rise"
+        )
     return None
 
 
-def test_metrics_count_named_and_ended_stalls(
-    tiny_model_dir: Path, tmp_path: Path, stock_hangs: None
-) -> None:
-    missing = _stall_end_rule_missing()
-    if missing:
-        pytest.skip(missing)
+@dataclass
+class StallRun:
+    """One server, one request that stalls: scraped when named and again when ended."""
+
+    before: dict[str, float]
+    named: dict[str, float]  # scraped once the watchdog's line is in the log
+    lines: list[str]  # the engine core's lines at the end
+    request: StreamingRequest
+    ended: dict[str, float] | None = None  # scraped after the client's finish
+    elapsed_s: float = 0.0
+    health: int = 0
+
+
+def _wait_named(server: Server, deadline: float) -> list[str]:
+    while time.monotonic() < deadline:
+        lines = _engine_lines(server.log_text())
+        if any(STALL_NAMED.search(line) for line in lines):
+            return lines
+        time.sleep(1)
+    raise AssertionError("no stall named\n" + "\n".join(_engine_lines(server.log_text())[-40:]))
+
+
+@pytest.fixture(scope="module")
+def stall_run(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, stock_hangs: None
+) -> StallRun:
+    workdir = tmp_path_factory.mktemp("metrics-stall")
+    end_rule = _stall_end_rule_missing() is None
     env = {
         "VLLM_MAMBA_FIX": "auto",
         "VLLM_MAMBA_FIX_SPLIT_RULE": "0",  # the split left stock: the request stalls
         "VLLM_MAMBA_FIX_STALL_SECONDS": "3",
-        "VLLM_MAMBA_FIX_END_STALLS_AFTER": "5",
-        **logging_config_env(tmp_path, (PLUGIN_LOGGER,)),
+        "VLLM_MAMBA_FIX_END_STALLS_AFTER": "5" if end_rule else "off",
+        **logging_config_env(workdir, (PLUGIN_LOGGER,)),
     }
-    with run_server(tiny_model_dir, tmp_path, env) as server:
+    with run_server(tiny_model_dir, workdir, env) as server:
         before = scrape_metrics(server.base_url)
         _all_series_present(before)
         request = StreamingRequest(server.base_url)
         start = time.monotonic()
         request.start()
-        request.join(timeout=REQUEST_DEADLINE_S)
-        assert not request.is_alive(), f"the stalled request was not ended in {REQUEST_DEADLINE_S}"
-        elapsed = time.monotonic() - start
-        # Counted in the engine core before the finish reached the client.
-        after = scrape_metrics(server.base_url)
-        lines = _engine_lines(server.log_text())
-        assert server.health() == 200
-    named = sum(1 for line in lines if STALL_NAMED.search(line))
-    assert named >= 1, "\n".join(lines[-40:])
-    assert _delta(before, after, "stalls_detected") == named
-    assert _delta(before, after, "stalls_ended") == 1, (before, after)
+        _wait_named(server, start + REQUEST_DEADLINE_S)
+        run = StallRun(before, scrape_metrics(server.base_url), [], request)
+        if end_rule:
+            request.join(timeout=max(0.0, start + REQUEST_DEADLINE_S - time.monotonic()))
+            run.elapsed_s = time.monotonic() - start
+            if not request.is_alive():  # counted in the engine core before the finish left it
+                run.ended = scrape_metrics(server.base_url)
+        run.health = server.health()
+        run.lines = _engine_lines(server.log_text())
+    return run
+
+
+def test_metrics_count_named_stalls(stall_run: StallRun) -> None:
+    """The watchdog counts before it logs, so the scrape after its line holds it."""
+    named_lines = [line for line in stall_run.lines if STALL_NAMED.search(line)]
+    assert named_lines, "\n".join(stall_run.lines[-40:])
+    # One request stalls, and the watchdog names a stall once: one line, one count.
+    assert _delta(stall_run.before, stall_run.named, "stalls_detected") == len(named_lines)
+    logged = _logged_corrections(stall_run.lines)
+    for key, count in logged.items():  # the split rule is off: nothing, or what it logged
+        assert _delta(stall_run.before, stall_run.named, key) == count, (key, stall_run.named)
+    assert stall_run.health == 200
+
+
+def test_metrics_count_ended_stalls(stall_run: StallRun) -> None:
+    missing = _stall_end_rule_missing()
+    if missing:
+        pytest.skip(missing)
+    request = stall_run.request
+    assert stall_run.ended is not None, (
+        f"the stalled request was not ended in {REQUEST_DEADLINE_S:.0f} s\n"
+        + "\n".join(stall_run.lines[-20:])
+    )
+    assert _delta(stall_run.before, stall_run.ended, "stalls_ended") == 1, stall_run.ended
     # 0.15-0.32 end it as an abort, with the cause as stop_reason (stall_end.py).
-    assert request.finish_reason == "abort", (request.finish_reason, request.chunks, elapsed)
+    assert request.finish_reason == "abort", (request.finish_reason, request.error)
+    assert stall_run.health == 200
