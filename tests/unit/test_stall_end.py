@@ -1,0 +1,174 @@
+"""The stall end's pure parts (issue 21 item 1): the own-inputs proof, the bound, the split's
+two ears, and the update wrapper's promise never to raise into vLLM. The end itself, on the
+real scheduler: tests/scheduler/test_stall_end.py and tests/properties/test_stall_end.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_mamba_fix import stall_end, stalls
+from vllm_mamba_fix._log import logger
+from vllm_mamba_fix.stalls import (
+    REPEATED,
+    StallCause,
+    StallReport,
+    Streak,
+    end_due,
+    own_inputs_block,
+    split_moved,
+    split_zero,
+)
+from vllm_mamba_fix.targets import MARKER
+
+
+def test_the_proof_on_the_stall_shapes() -> None:
+    # 0.23 under MTP, images 0 apart: image 1 held, image 2 due, 16384 slots.
+    assert "23688 cache tokens together" in (
+        own_inputs_block({"a": 11844}, {"b": 11844}, 16384, 16384) or ""
+    )
+    # The request waiting behind it: its image fits alone (others hold the space).
+    assert own_inputs_block({}, {"c": 11844}, 16384, 16384) is None
+    # One input larger than the cache, or than one step's encoder budget.
+    assert "has 600 tokens" in (own_inputs_block({}, {"d": 600}, 512, 1024) or "")
+    assert "has 600 tokens" in (own_inputs_block({}, {"d": 600}, 1024, 512) or "")
+    # Two due inputs over one step's budget (each fits alone).
+    assert "one step's encoder budget" in (own_inputs_block({}, {"e": 300, "f": 300}, 1024, 512)
+                                           or "")  # fmt: skip
+    # An EC connector: the budget bounds nothing.
+    assert own_inputs_block({}, {"e": 300, "f": 300}, 1024, None) is None
+    # A repeated image is one cache entry: held and due under one key counts once.
+    assert own_inputs_block({"a": 600}, {"a": 600}, 1000, 1000) is None
+
+
+@given(
+    held=st.dictionaries(st.integers(0, 5), st.integers(1, 3000), max_size=4),
+    needed=st.dictionaries(st.integers(0, 5), st.integers(1, 3000), max_size=4),
+    cache=st.integers(1, 8000),
+    budget=st.one_of(st.none(), st.integers(1, 8000)),
+)
+def test_the_proof_matches_its_definition(
+    held: dict[int, int], needed: dict[int, int], cache: int, budget: int | None
+) -> None:
+    due = {k: n for k, n in needed.items() if k not in held}
+    bound = cache if budget is None else min(cache, budget)
+    never = (
+        any(n > bound for n in due.values())
+        or (budget is not None and sum(due.values()) > budget)
+        or sum(due.values()) + sum(held.values()) > cache
+    )
+    assert (own_inputs_block(held, needed, cache, budget) is not None) == never
+
+
+@given(
+    steps_named=st.integers(0, 5),
+    since_named=st.floats(0, 100),
+    bound=st.floats(0.001, 100),
+    ordered=st.booleans(),
+)
+def test_the_bound_needs_time_and_repeated_zeros_after_naming(
+    steps_named: int, since_named: float, bound: float, ordered: bool
+) -> None:
+    streak = Streak(7, 3, 0.0, warned=True, named_at=0.0, steps_named=steps_named)
+    streak.ordered = ordered
+    due = end_due(streak, since_named, bound)
+    assert due == (not ordered and steps_named >= REPEATED and since_named >= bound)
+    assert not end_due(Streak(7, 9, 0.0), 1e9, bound)  # never named
+
+
+def test_the_split_ears_never_raise() -> None:
+    class Broken:
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError(name)
+
+    assert split_zero(Broken(), Broken(), 5) is None
+    assert split_zero(object(), object(), -1) is None
+    assert split_moved("never-seen") is None
+    assert split_moved(None) is None  # type: ignore[arg-type]
+    assert "never-seen" not in stalls.tracked_requests()
+
+
+def test_the_report_says_what_the_plugin_does() -> None:
+    report = StallReport("r", 5, 9, 3, 31.0, (), None, 10, 0, 10, StallCause.SPLIT_FLOOR,
+                         end_note="; the plugin ends it 30 s from now")  # fmt: skip
+    message = report.message()
+    assert "likely cause: vLLM's block-aligned split floors" in message
+    assert message.endswith("remedy: turn the split rule on (unset VLLM_MAMBA_FIX_SPLIT_RULE), "
+                            "upgrade to vLLM 0.28+, or raise --max-num-batched-tokens"
+                            "; the plugin ends it 30 s from now")  # fmt: skip
+
+
+class _Host:
+    """A host with vLLM's update_from_output shape; what it returns is its own."""
+
+    def __init__(self, raises: BaseException | None = None) -> None:
+        self.raises = raises
+        self.requests: dict[str, Any] = {}
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if self.raises is not None:
+            raise self.raises
+        return {"outputs": (scheduler_output, model_runner_output)}
+
+
+class _Output:
+    def __init__(self) -> None:
+        self.num_scheduled_tokens: dict[str, int] = {}
+
+
+def _wrapped() -> Any:
+    wrapper = stall_end.make_update_from_output_wrapper(
+        _Host.update_from_output, stall_end.EndOptions(30.0)
+    )
+    assert getattr(wrapper, MARKER) == stall_end.EndOptions(30.0)
+    assert wrapper.__wrapped__ is _Host.update_from_output  # type: ignore[attr-defined]
+    return wrapper
+
+
+def test_no_orders_is_vllms_result() -> None:
+    wrapper, host, out = _wrapped(), _Host(), _Output()
+    assert wrapper(host, out, "runner") == {"outputs": (out, "runner")}
+
+
+@pytest.mark.parametrize("exc", [ValueError("vllm's"), KeyboardInterrupt()])
+def test_vllms_exceptions_propagate(exc: BaseException) -> None:
+    wrapper = _wrapped()
+    with pytest.raises(type(exc)):
+        wrapper(_Host(raises=exc), _Output(), "runner")
+
+
+def test_a_failing_end_gives_one_warning_and_vllms_result() -> None:
+    # vLLM's logging config, applied on its first import (inside the end), resets the handlers
+    # of existing child loggers: import it before listening.
+    pytest.importorskip("vllm.v1.engine")
+    wrapper, host, out = _wrapped(), _Host(), _Output()
+    host.requests = None  # type: ignore[assignment]  # reading it fails inside the end
+    streak = Streak(3, 5, 0.0)
+    order = stall_end.EndOrder("r", 3, 3, stalls.ZeroStreaks(), streak, "line", "message")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        for _ in range(2):
+            host.__dict__[stall_end.ORDERS_ATTR] = {"r": order}
+            assert wrapper(host, out, "runner") == {"outputs": (out, "runner")}
+            assert not host.__dict__[stall_end.ORDERS_ATTR]  # dropped, not retried forever
+    finally:
+        logger.removeHandler(handler)
+    messages = [r.getMessage() for r in records]
+    assert [m for m in messages if "ending a stalled request failed" in m] == [
+        "vllm-mamba-fix: ending a stalled request failed (AttributeError: 'NoneType' object "
+        "has no attribute 'get'); using vLLM's result"
+    ], messages
+
+
+def test_support_names_what_is_missing() -> None:
+    assert "has no update_from_output" in (stall_end.support(type("Bare", (), {})) or "")
+    only_update = type("OnlyUpdate", (), {"update_from_output": lambda self: None})
+    assert "has no finish_requests" in (stall_end.support(only_update) or "")
