@@ -1,0 +1,171 @@
+"""Issue 21 item 1 under ``vllm serve`` on the CPU: a client stuck in a stall the plugin cannot
+end has its request finished within the bound; ``/health`` stays 200; the requests queued behind
+it complete; the server serves the same images afterwards; a client that does not stream reads
+the abort with the cause and the remedy (a streaming one sees its stream end: see the test).
+
+The stall is vLLM 0.27.1's own two-image hang (``VLLM_MAMBA_FIX_SPLIT_RULE=0`` leaves the split
+stock while the block-unit rule, the watchdog and the stall end run): image 1 [1, 257) held in
+the 384-token encoder cache, image 2 [259, 515) does not fit beside it, the encoder cut leaves 3
+tokens before it and stock's split floors them to 0 at token 256, every step. That is the real
+path an un-endable stall takes: the split's 0 reaches the watchdog through ``split_zero``
+(wrappers.py), the watchdog names it, the end is ordered in ``schedule()`` and carried out by
+the ``update_from_output`` wrapper in the engine core, and the finish travels vLLM's own
+output path to the API server and the client.
+
+Behind it: a one-image request (its image fits the cache alone, not beside the held one: it
+waits, is named, and must never be ended) and two text requests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.serve_helpers import image_data_url, run_server
+
+pytestmark = pytest.mark.e2e
+
+STALL_SECONDS = 5.0
+END_AFTER = 5.0
+# The watchdog needs STALL_SECONDS of 0s, the end END_AFTER more; slack for a loaded machine.
+END_WITHIN_S = STALL_SECONDS + END_AFTER + 20.0
+ENV = {
+    "VLLM_MAMBA_FIX_SPLIT_RULE": "0",
+    "VLLM_MAMBA_FIX_STALL_SECONDS": f"{STALL_SECONDS:g}",
+    "VLLM_MAMBA_FIX_END_STALLS_AFTER": f"{END_AFTER:g}",
+}
+ENDED_LINE = re.compile(
+    r"\(EngineCore pid=\d+\).*vllm-mamba-fix: ended request (\S+): 0 tokens at token (\d+)"
+)
+
+
+def _messages(images: tuple[int, ...], text: str) -> list[dict[str, Any]]:
+    content: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": image_data_url(i)}} for i in images
+    ]
+    content.append({"type": "text", "text": text})
+    return [{"role": "user", "content": content}]
+
+
+def _post(base_url: str, images: tuple[int, ...], text: str) -> tuple[int, dict[str, Any]]:
+    """One chat completion that does not stream: (HTTP status, JSON body)."""
+    body = {
+        "model": "tiny", "messages": _messages(images, text), "max_tokens": 8,
+        "temperature": 0.0, "ignore_eos": True,
+    }  # fmt: skip
+    request = urllib.request.Request(
+        base_url + "/v1/chat/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=240) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {"error": exc.read().decode(errors="replace")}
+
+
+class Call(threading.Thread):
+    """One streaming chat completion in the background; keeps the last choice's fields."""
+
+    def __init__(self, base_url: str, images: tuple[int, ...], text: str) -> None:
+        super().__init__(daemon=True)
+        self.base_url, self.images, self.text = base_url, images, text
+        self.started = self.finished_at = 0.0
+        self.content: list[str] = []
+        self.finish: dict[str, Any] = {}
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=self.base_url + "/v1", api_key="EMPTY", timeout=300)
+        self.started = time.monotonic()
+        try:
+            stream = client.chat.completions.create(
+                model="tiny", messages=_messages(self.images, self.text), stream=True,
+                max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for event in stream:
+                for choice in event.choices:
+                    if choice.delta and choice.delta.content:
+                        self.content.append(choice.delta.content)
+                    if choice.finish_reason:
+                        self.finish = choice.model_dump()
+        except BaseException as exc:
+            self.error = exc
+        self.finished_at = time.monotonic()
+
+
+def test_a_stall_the_plugin_cannot_end_is_ended(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with run_server(tiny_model_dir, tmp_path, ENV) as server:
+        stuck = Call(server.base_url, (0, 1), "Describe both images.")
+        stuck.start()
+        time.sleep(3)  # it holds image 1 before the others arrive
+        behind = [
+            Call(server.base_url, (2,), "Describe the image."),
+            Call(server.base_url, (), "Say something about the weather."),
+            Call(server.base_url, (), "Count to ten."),
+        ]
+        for call in behind:
+            call.start()
+        health: list[int] = []
+        deadline = time.monotonic() + 240
+        calls = [stuck, *behind]
+        while any(c.is_alive() for c in calls) and time.monotonic() < deadline:
+            health.append(server.health())
+            time.sleep(0.5)
+        log = server.log_text()
+        assert not any(c.is_alive() for c in calls), f"requests left hanging\n{log[-4000:]}"
+        for call in calls:
+            assert call.error is None, (repr(call.error), log[-4000:])
+
+        # The streaming client's view: its stream ends, with no content, within the bound.
+        # vLLM 0.15-0.32's streaming chat skips an output without text or tokens even when it
+        # is the finish ("Chunked prefill case, don't return empty chunks"; 0.33 sends it), so
+        # the stream closes with `data: [DONE]` and no finish_reason.
+        assert not stuck.content and stuck.finish == {}, (stuck.content, stuck.finish)
+        # Within the bound of the stall's start (its first 0 comes with its second chunk,
+        # within a few seconds of being sent).
+        took = stuck.finished_at - stuck.started
+        assert took <= END_WITHIN_S, took
+
+        # Everything queued behind it completed; the server stayed healthy throughout.
+        for call in behind:
+            assert call.finish.get("finish_reason") == "length", (call.images, call.finish)
+            assert call.content
+        assert health and all(code == 200 for code in health), health
+
+        # One request ended, at the split's stall; the one-image request was named, not ended.
+        ended = ENDED_LINE.findall(log)
+        assert len(ended) == 1 and ended[0][1] == "256", (ended, log[-4000:])
+        assert "cause: split-floor" in log
+        named = [line for line in log.splitlines() if "stalled at token 256 of" in line]
+        assert named and "the plugin ends it 5 s from now" in named[0], named
+        assert "not ended while its own encoder inputs fit" in log
+
+        # Its KV blocks and encoder entries were freed: the same images are served again, and
+        # a client that does not stream reads the abort, the cause and the remedy.
+        again = Call(server.base_url, (0,), "Describe the image.")
+        again.start()
+        again.join(timeout=120)
+        assert not again.is_alive() and again.error is None
+        assert again.finish.get("finish_reason") == "length", again.finish
+        status, body = _post(server.base_url, (0, 1), "Describe both images.")
+        assert status == 200, body
+        (choice,) = body["choices"]
+        assert choice["finish_reason"] == "abort" and choice["message"]["content"] == ""
+        reason = choice["stop_reason"]
+        assert reason.startswith("vllm-mamba-fix ended this request"), choice
+        assert "could not get past prompt token 256 of" in reason
+        assert "block-aligned split floors the chunk" in reason
+        assert "remedy: turn the split rule on (unset VLLM_MAMBA_FIX_SPLIT_RULE)" in reason
+        assert len(ENDED_LINE.findall(server.log_text())) == 2
+        assert server.health() == 200
