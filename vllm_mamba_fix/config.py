@@ -137,6 +137,23 @@ def raw_values(
     return {name: env.get(name) for name in names}
 
 
+# vLLM's (and prometheus_client's) multiprocess directory, read for /metrics (metrics.py).
+PROMETHEUS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+# The private directory an API server hands to the engine cores it starts. Not ``VLLM_*``:
+# vLLM warns about (or, with --fail-on-environ-validation, rejects) unknown VLLM_ variables.
+METRICS_DIR_VAR = "_VLLM_MAMBA_FIX_METRICS_DIR"
+
+
+def metrics_directories() -> tuple[str | None, str | None]:
+    """(vLLM's ``PROMETHEUS_MULTIPROC_DIR``, the private directory an API server handed down)."""
+    return os.environ.get(PROMETHEUS_DIR) or None, os.environ.get(METRICS_DIR_VAR) or None
+
+
+def hand_down_metrics_directory(directory: str) -> None:
+    """Name the private directory to the engine cores this process starts (they inherit it)."""
+    os.environ[METRICS_DIR_VAR] = directory
+
+
 # Every variable the plugin reads, in the order the docs list them.
 ALL_VARIABLES = (
     ENV_MODE, ENV_SCOPE, ENV_STALL_SECONDS, ENV_END_STALLS_AFTER, *SWITCHES,

@@ -11,11 +11,12 @@ multiprocess files. Every release 0.15-0.33 serves ``/metrics`` from
   directory. The engine core writes its file there.
 - unset (one API server, the default): the global ``REGISTRY`` of the API server process.
   :func:`attach`, run by ``register()`` in a process that multiprocessing did not start (the
-  API server; never an engine core or a worker), makes a private directory, adds a
-  ``MultiProcessCollector`` over it to ``REGISTRY`` and hands the directory to the engine
-  cores it starts through :data:`ENV_DIR`.
+  API server; never an engine core or a worker), adds a collector to ``REGISTRY`` and names
+  a private directory to the engine cores it starts (:data:`ENV_DIR`); the first engine core
+  that counts makes it. Counts made in the serving process itself (an engine in the same
+  process) stay in memory, so that process writes no file.
 
-The engine core's file is ``counter_vllm-mamba-fix-<pid>.db``: prometheus_client's own format
+An engine core's file is ``counter_vllm-mamba-fix-<pid>.db``: prometheus_client's own format
 (``MmapedDict``), under a name of its own so it never shares a file with a metric
 prometheus_client may keep in the same process. No server, no port. prometheus_client comes
 with vLLM but is imported lazily: without it nothing is counted here and one line says so.
@@ -24,8 +25,10 @@ with vLLM but is imported lazily: without it nothing is counted here and one lin
 from __future__ import annotations
 
 import atexit
+import glob
 import multiprocessing
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -33,13 +36,17 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple
 
+from vllm_mamba_fix import config
 from vllm_mamba_fix._log import logger
 
-PROMETHEUS_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's and vLLM's variable
-# The private directory the API server hands to the engine cores it starts. Not ``VLLM_*``:
-# vLLM warns about (or, with --fail-on-environ-validation, rejects) unknown VLLM_ variables.
-ENV_DIR = "_VLLM_MAMBA_FIX_METRICS_DIR"
 FILE_PREFIX = "counter_vllm-mamba-fix-"  # "counter_": the type MultiProcessCollector reads
+
+
+# The environment is read and written in config.py, the one module that touches it.
+directories = config.metrics_directories
+hand_down = config.hand_down_metrics_directory
+PROMETHEUS_DIR = config.PROMETHEUS_DIR  # vLLM's and prometheus_client's directory
+ENV_DIR = config.METRICS_DIR_VAR  # the private one an API server hands down
 
 
 @dataclass(frozen=True)
@@ -91,19 +98,23 @@ class Support(NamedTuple):
     reason: str
 
 
+def _key(mmap_dict: Any, series: Series) -> str:
+    """prometheus_client's key of a sample in a multiprocess file."""
+    names = [name for name, _ in series.labels]
+    values = [value for _, value in series.labels]
+    return mmap_dict.mmap_key(series.metric, series.sample, names, values, series.help)
+
+
 class _Writer:
     """This process's counter file; callers hold ``_lock`` (MmapedDict is not thread-safe)."""
 
     def __init__(self, mmap_dict: Any, directory: str) -> None:
         self.pid = os.getpid()
-        self.directory = directory
+        self._mmap_dict = mmap_dict
         self._file = mmap_dict.MmapedDict(os.path.join(directory, f"{FILE_PREFIX}{self.pid}.db"))
-        self._key = mmap_dict.mmap_key
 
     def add(self, series: Series, amount: float) -> None:
-        names = [name for name, _ in series.labels]
-        values = [value for _, value in series.labels]
-        key = self._key(series.metric, series.sample, names, values, series.help)
+        key = _key(self._mmap_dict, series)
         # Read back, not cached: a file left by an earlier run under the same pid (a
         # PROMETHEUS_MULTIPROC_DIR nobody wiped) keeps counting up, as prometheus_client does.
         stored = self._file.read_value(key)
@@ -114,10 +125,73 @@ class _Writer:
             self._file.write_value(key, value)
 
 
-_lock = threading.Lock()
+class _Local:
+    """The counts of the process that serves them (no file): an engine in the API server."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.values: dict[str, float] = {}  # stats() key -> count
+
+    def add(self, series_key: str, amount: float) -> None:
+        self.values[series_key] = self.values.get(series_key, 0.0) + amount
+
+
+class _Collector:
+    """This process's counts plus the files its engine cores write under ``directory``."""
+
+    def __init__(self, prometheus_client: Any, multiprocess: Any, directory: str) -> None:
+        from prometheus_client.core import CounterMetricFamily
+
+        self._family = CounterMetricFamily
+        self._merge = multiprocess.MultiProcessCollector.merge
+        self.directory = directory  # "" until attach() names one
+
+    def describe(self) -> list[Any]:
+        # No names up front: REGISTRY would otherwise collect() while _serve_here holds _lock.
+        return []
+
+    def collect(self) -> Any:
+        # Runs inside vLLM's /metrics handler: an error here must not fail the scrape.
+        try:
+            return self._collect()
+        except Exception as exc:
+            _say_once("warning", "metrics not read (%s)", f"{type(exc).__name__}: {exc}")
+            return []
+
+    def _collect(self) -> Any:
+        totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        files = glob.glob(os.path.join(self.directory, "*.db")) if self.directory else []
+        for path in files:  # one by one: a damaged file loses its own counts only
+            try:
+                merged = self._merge([path], accumulate=True)
+            except Exception as exc:
+                _say_once("warning", "metrics file %s not read (%s)", path, type(exc).__name__)
+                continue
+            for metric in merged:
+                for sample in metric.samples:
+                    where = (sample.name, tuple(sorted(sample.labels.items())))
+                    totals[where] = totals.get(where, 0.0) + sample.value
+        with _lock:
+            local = dict(_local.values) if _local is not None else {}
+        families: dict[str, Any] = {}
+        for key, series in SERIES.items():
+            where = (series.sample, tuple(sorted(series.labels)))
+            if where not in totals and key not in local:
+                continue  # not prepared yet: no engine core has built a scheduler
+            family = families.get(series.metric)
+            if family is None:
+                family = families[series.metric] = self._family(
+                    series.metric, series.help, labels=[name for name, _ in series.labels]
+                )
+            value = totals.get(where, 0.0) + local.get(key, 0.0)
+            family.add_metric([value for _, value in series.labels], value)
+        return list(families.values())
+
+
+_lock = threading.RLock()  # re-entered if a registry collects while _serve_here holds it
 _writer: _Writer | None = None
+_local: _Local | None = None  # set in the process whose REGISTRY serves the counts
 _said: set[str] = set()
-_attached: str | None = None  # the private directory this process serves
 _off_pid: int | None = None  # the process where opening the writer failed
 
 
@@ -136,17 +210,21 @@ def _import_prometheus() -> tuple[ModuleType, ModuleType, ModuleType] | Exceptio
     return prometheus_client, mmap_dict, multiprocess
 
 
-def _directory() -> str | None:
-    """Where this process's counts are read from: vLLM's directory first, then the private one."""
-    for name in (PROMETHEUS_DIR, ENV_DIR):
-        path = os.environ.get(name)
-        if path and os.path.isdir(path):
-            return path
-    return None
+def _private_directory(path: str) -> str:
+    """The API server's directory, made by its first engine core; only if it is this user's."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.stat(path).st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to another user")
+    return path
 
 
-def _writer_here() -> _Writer | None:
-    """This process's writer, opened on first use; a forked child opens its own. Holds ``_lock``."""
+def _sink_here() -> _Writer | _Local | None:
+    """Where this process counts, chosen on first use; a forked child chooses again.
+
+    Holds ``_lock``. vLLM's ``PROMETHEUS_MULTIPROC_DIR`` first; then this process's own
+    counts if it serves them; then the directory an API server handed down; else this
+    process serves its own (an engine in a process no API server started).
+    """
     global _writer, _off_pid
     pid = os.getpid()
     if _writer is not None and _writer.pid == pid:
@@ -162,11 +240,19 @@ def _writer_here() -> _Writer | None:
             f"{type(found).__name__}: {found}",
         )
         return None
-    # Without a directory from an API server (the engine runs in this very process, or its
-    # front end did not attach) the counts are served from this process's REGISTRY.
-    directory = _directory() or _attach(found)
-    _writer, _off_pid = _Writer(found[1], directory), None
-    logger.debug("vllm-mamba-fix: metrics are written to %s", directory)
+    shared, private = directories()
+    if shared and os.path.isdir(shared):
+        _writer = _Writer(found[1], shared)
+    elif _local is not None and _local.pid == pid:
+        _off_pid = None
+        return _local
+    elif private:
+        _writer = _Writer(found[1], _private_directory(private))
+    else:
+        _off_pid = None
+        return _serve_here(found, None)
+    _off_pid = None
+    logger.debug("vllm-mamba-fix: metrics are written to %s", shared or private)
     return _writer
 
 
@@ -178,9 +264,11 @@ def count(key: str, amount: int = 1) -> None:
             _say_once("debug", "no metric for the count %r", key)
             return
         with _lock:
-            writer = _writer_here()
-            if writer is not None:
-                writer.add(series, amount)
+            sink = _sink_here()
+            if isinstance(sink, _Local):
+                sink.add(key, amount)
+            elif sink is not None:
+                sink.add(series, amount)
     except Exception as exc:
         _say_once("debug", "metrics not written (%s)", f"{type(exc).__name__}: {exc}")
 
@@ -200,38 +288,47 @@ def attach() -> None:
     Called by ``register()`` in every process; acts only where multiprocessing did not start
     the process (the API server): engine cores and workers are multiprocessing children and
     inherit :data:`ENV_DIR` from it. A value inherited by the API server itself (a program
-    that loaded the plugin and then ran ``vllm serve``) is replaced. Never raises.
+    that loaded the plugin and then ran ``vllm serve``) is replaced. Writes no file: the
+    directory is made by the first engine core that counts. Never raises.
     """
     try:
-        if os.environ.get(PROMETHEUS_DIR) or multiprocessing.parent_process() is not None:
+        if directories()[0] or multiprocessing.parent_process() is not None:
             return
         found = _import_prometheus()
         if isinstance(found, Exception):
             _say_once("debug", "prometheus_client is not importable (%s)", type(found).__name__)
             return
         with _lock:
-            os.environ[ENV_DIR] = _attach(found)
+            name = f"vllm-mamba-fix-metrics-{os.getpid()}-{secrets.token_hex(6)}"
+            directory = _serve_here(found, os.path.join(tempfile.gettempdir(), name))
+            hand_down(directory)
     except Exception as exc:
         _say_once("debug", "metrics not attached (%s)", f"{type(exc).__name__}: {exc}")
 
 
-def _attach(found: tuple[ModuleType, ModuleType, ModuleType]) -> str:
-    """A private directory read by a collector in this process's REGISTRY. Holds ``_lock``."""
-    global _attached
-    if _attached is not None:
-        return _attached
-    prometheus_client, _, multiprocess = found
-    directory = tempfile.mkdtemp(prefix="vllm-mamba-fix-metrics-")
-    try:
-        multiprocess.MultiProcessCollector(prometheus_client.REGISTRY, path=directory)
-    except Exception:
-        shutil.rmtree(directory, ignore_errors=True)
-        raise
-    _attached = directory
-    owner = os.getpid()
-    # Only the creating process removes it (a forked child runs atexit too).
-    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(directory, ignore_errors=True))
-    return directory
+_collector: _Collector | None = None  # the one this process registered
+
+
+def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str | None) -> Any:
+    """A collector in this process's REGISTRY; counts made here stay in memory. Holds ``_lock``.
+
+    Returns the directory it reads for ``attach`` (made later, by an engine core), or the
+    in-memory sink for a process that counts without one.
+    """
+    global _local, _collector
+    if _collector is None:
+        prometheus_client, _, multiprocess = found
+        collector = _Collector(prometheus_client, multiprocess, "")
+        prometheus_client.REGISTRY.register(collector)
+        _collector, _local = collector, _Local()
+    if directory and not _collector.directory:
+        _collector.directory = directory
+        owner = os.getpid()
+        # Only the serving process removes it (a forked child runs atexit too).
+        atexit.register(
+            lambda: os.getpid() == owner and shutil.rmtree(directory, ignore_errors=True)
+        )
+    return _collector.directory if directory is not None else _local
 
 
 def support() -> Support:
@@ -268,7 +365,7 @@ def support() -> Support:
                 "this vLLM has no vllm.v1.metrics.prometheus.get_prometheus_registry "
                 f"({type(exc).__name__}); alert on the log lines instead (docs/deployment.md)",
             )
-        where = os.environ.get(PROMETHEUS_DIR)
+        where = directories()[0]
         route = (
             f"through PROMETHEUS_MULTIPROC_DIR={where}"
             if where

@@ -158,6 +158,8 @@ def test_reads_only_its_own_variables_in_real_vllm(real_vllm_probe: ProbeRun) ->
         "VLLM_MAMBA_FIX_END_STALLS_AFTER",
         "VLLM_MAMBA_FIX_SPLIT_RULE",
         "VLLM_MAMBA_FIX_BLOCK_RULE",
+        "PROMETHEUS_MULTIPROC_DIR",
+        "_VLLM_MAMBA_FIX_METRICS_DIR",
     }
 
 

@@ -49,6 +49,11 @@ def beside_prometheus_client(n):
         metrics.count("chunks_realigned")
         other.inc(2)
 
+def fork_after_counting(first, then):
+    # An engine core that counted (its file is open), then forked: the child writes its own.
+    metrics.count("chunks_realigned", first)
+    run("fork", direct, [["chunks_realigned", then]])
+
 def threads(n_threads, n):
     metrics.prepare()
     sys.setswitchinterval(1e-6)  # switch threads often: an unlocked read-add-write loses counts
@@ -91,7 +96,9 @@ if __name__ == "__main__":
             types[family.name] = family.type
             for s in family.samples:
                 samples[s.name + json.dumps(s.labels, sort_keys=True)] = s.value
-    directory = metrics._directory()
+    directory = os.environ.get(metrics.PROMETHEUS_DIR) or os.environ.get(metrics.ENV_DIR)
+    if directory and not os.path.isdir(directory):
+        directory = None  # named by attach(), never made: no engine core counted
     print("RESULT " + json.dumps({{
         "samples": samples, "types": types, "pids": pids, "parent": os.getpid(),
         "dir": directory, "private": os.environ.get(metrics.ENV_DIR),
@@ -243,6 +250,26 @@ def test_an_inherited_private_dir_is_replaced(tmp_path: Path) -> None:
     assert list(stale.iterdir()) == []
 
 
+def test_a_damaged_file_never_fails_the_scrape(tmp_path: Path) -> None:
+    """vLLM's /metrics handler collects the plugin's collector: it must not raise there."""
+    body = """
+    pids.append(run("spawn", direct, [["stalls_ended", 2]]))
+    bad = os.path.join(os.environ[metrics.ENV_DIR], "counter_damaged.db")
+    import struct
+    with open(bad, "wb") as fh:  # one entry whose key is not UTF-8: prometheus_client raises
+        fh.write(struct.pack("i", 10**6) + bytes(4) + struct.pack("i", 8) + b"\\xff" * 28)
+    from prometheus_client.multiprocess import MultiProcessCollector
+    try:
+        MultiProcessCollector.merge([bad])
+        raise SystemExit("the damaged file did not make prometheus_client raise")
+    except UnicodeDecodeError:
+        pass
+    """
+    result = _run(tmp_path, body, {"attach": True, "through_vllm": True}, _clean_env())
+    assert result["samples"] == _expected({"stalls_ended": 2})
+    assert "counter_damaged.db" in result["files"]
+
+
 def test_prepare_makes_every_series_at_zero(tmp_path: Path) -> None:
     body = 'pids.append(run("spawn", direct, []))'
     result = _run(tmp_path, body, {"attach": True}, _clean_env())
@@ -251,15 +278,24 @@ def test_prepare_makes_every_series_at_zero(tmp_path: Path) -> None:
 
 
 def test_a_forked_child_writes_its_own_file(tmp_path: Path) -> None:
-    """The parent counts first (its writer is open), then a forked child counts too."""
+    """The serving process counts in memory; its child counts to a file, then forks one more
+    that counts too: the grandchild must open a file of its own, not write to its parent's."""
     body = """
     metrics.count("chunks_realigned", 5)
-    pids.append(os.getpid())
-    pids.append(run("fork", direct, [["chunks_realigned", 7]]))
+    pids.append(run("spawn", fork_after_counting, 7, 11))
     """
     result = _run(tmp_path, body, {"attach": True}, _clean_env())
-    assert result["samples"] == _expected({"chunks_realigned": 12})
-    assert result["files"] == sorted(f"{metrics.FILE_PREFIX}{pid}.db" for pid in result["pids"])
+    assert result["samples"] == _expected({"chunks_realigned": 5 + 7 + 11})
+    assert len(result["files"]) == 2, result["files"]
+    assert f"{metrics.FILE_PREFIX}{result['pids'][0]}.db" in result["files"]
+
+
+def test_the_serving_process_writes_no_file(tmp_path: Path) -> None:
+    """attach() names the directory; only an engine core that counts makes it."""
+    body = 'metrics.prepare()\nmetrics.count("stalls_detected", 3)'
+    result = _run(tmp_path, body, {"attach": True}, _clean_env())
+    assert result["samples"] == _expected({"stalls_detected": 3})
+    assert result["private"] and result["dir"] is None and result["files"] == []
 
 
 def test_concurrent_counts_are_exact(tmp_path: Path) -> None:
