@@ -215,7 +215,7 @@ def test_metrics_count_ended_stalls(stall_run: StallRun) -> None:
     assert len(ended_lines) == 1, "\n".join(stall_run.lines[-20:])
     assert _delta(stall_run.before, stall_run.ended, "stalls_ended") == 1, stall_run.ended
     # Finished before its prefill did: no token, not a full-length completion. (What the
-    # client is told is test_stall_end's subject, not this file's.)
+    # client is told is test_stall_end_serve.py's subject, not this file's.)
     assert request.error is None and not request.chunks, (request.error, request.chunks)
     assert request.finish_reason != "length"
     assert stall_run.health == 200
