@@ -31,6 +31,8 @@ from vllm_mamba_fix.stalls import (
 )
 from vllm_mamba_fix.targets import ENCODER_METHOD, MARKER
 
+RECHECK_SECONDS = 1.0
+
 # -- reading the scheduler ---------------------------------------------------------------
 
 
@@ -167,7 +169,7 @@ def name_stall(
     cause = stall_cause(bool(speculative), waited, manager.cache_size, budget)
     facts = own_inputs(scheduler, request, streak.position, window_end)
     proof = None if facts is None else own_inputs_block(*facts)
-    if speculative is None and cause is StallCause.UNKNOWN:
+    if speculative is None and cause is StallCause.UNKNOWN and request.mm_features:
         cause = StallCause.SPLIT_FLOOR
     elif cause is StallCause.UNKNOWN and proof is None and _held_by_others(scheduler, facts):
         cause = StallCause.SHARED_CACHE
@@ -202,10 +204,12 @@ def consider(
 ) -> None:
     """Another 0 of a named stall: order its end once the bound is past and it is proven."""
     streak.steps_named += 1
-    if not end_due(streak, now, end_after) or support_of(scheduler) is not None:
+    # An unproven stall is looked at again once a second, not on every step.
+    if not end_due(streak, now, end_after) or now < streak.unproven_until:
         return
     proof = own_inputs_proof(scheduler, request, streak.position, window_end)
-    if proof is None:
+    if proof is None or support_of(scheduler) is not None:
+        streak.unproven_until = now + RECHECK_SECONDS
         return
     streak.ordered = True
     cause = streak.cause or StallCause.UNKNOWN

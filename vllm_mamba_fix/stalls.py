@@ -40,6 +40,7 @@ class Streak:
     steps_named: int = 0  # 0s seen after the naming
     cause: StallCause | None = None
     ordered: bool = False  # its request is to be ended (stall_end)
+    unproven_until: float = float("-inf")  # its own inputs fit: look again from then
 
 
 class ZeroStreaks:
