@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_mamba_fix import __version__, counters, import_hook, patch, record, rules
+from vllm_mamba_fix import __version__, counters, import_hook, metrics, patch, record, rules
 from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.blocks import BlockUnit, set_block_unit, unit_of_scheduler
 from vllm_mamba_fix.config import Settings, load_settings
@@ -108,6 +108,8 @@ def _register(settings: Settings) -> Any:
     _say_once(PREFLIGHT_LOG_LEVEL[checked.outcome], checked.reason)
     if not checked.outcome.waits_for_scheduler:
         return None
+    # The API server: read the engine cores' counters at vLLM's own /metrics.
+    metrics.attach()
     return lambda module: _patch_scheduler(module, settings, family, version)
 
 

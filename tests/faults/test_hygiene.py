@@ -22,7 +22,11 @@ OWN_VARIABLES = {
     "VLLM_MAMBA_FIX_END_STALLS_AFTER", "VLLM_MAMBA_FIX_SPLIT_RULE", "VLLM_MAMBA_FIX_BLOCK_RULE",
 }  # fmt: skip
 # /metrics: vLLM's multiprocess directory, and the plugin's private hand-down (config.py).
-METRICS_VARIABLES = {"PROMETHEUS_MULTIPROC_DIR", "_VLLM_MAMBA_FIX_METRICS_DIR"}
+METRICS_VARIABLES = {
+    "PROMETHEUS_MULTIPROC_DIR", "_VLLM_MAMBA_FIX_METRICS_DIR",
+    # The API server names its private directory to the engine cores it starts.
+    "<write _VLLM_MAMBA_FIX_METRICS_DIR>",
+}  # fmt: skip
 OWN_VARIABLES |= METRICS_VARIABLES
 # Modules allowed to touch the environment: configuration only (doctor reads it through
 # config.raw_values). Paths relative to the package; subpackages are scanned too.
