@@ -24,11 +24,11 @@ from vllm_mamba_fix import __version__, counters, import_hook, metrics, patch, r
 from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.blocks import BlockUnit, set_block_unit, unit_of_scheduler
 from vllm_mamba_fix.config import Settings, load_settings
-from vllm_mamba_fix.evidence import read_evidence
+from vllm_mamba_fix.evidence import Evidence, read_evidence
 from vllm_mamba_fix.policy import Plan, Preflight, Rule, preflight
 from vllm_mamba_fix.record import ClassRecord, MethodState, class_name
 from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.targets import FREE_REQUEST_METHOD, INIT_METHOD, SCHEDULER_CLASS
+from vllm_mamba_fix.targets import FREE_REQUEST_METHOD, INIT_METHOD, SCHEDULER_CLASS, SPLIT_METHOD
 from vllm_mamba_fix.versions import Family, family_for
 from vllm_mamba_fix.wrappers import settle_if_differs
 
@@ -113,7 +113,7 @@ def _register(settings: Settings) -> Any:
     return lambda module: _patch_scheduler(module, settings, family, version)
 
 
-def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, dict[str, Any], Any]:
+def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, dict[str, Any], Evidence]:
     """``cls``'s plan from its own code, and its wrappers' options."""
     evidence = read_evidence(cls)
     decided = rules.plan(installed.settings, installed.family, evidence)
@@ -185,7 +185,7 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
 def _install_problem_line(name: str, problem: str, decided: Plan) -> str:
     if name in rules.RULE_METHODS:
         carried = sorted(r.value for r in decided.rules if rules.RULE_METHOD[r] == name)
-        verb = "not patching" if name == rules.RULE_METHODS[0] else "not installing"
+        verb = "not patching" if name == SPLIT_METHOD else "not installing"
         return f"{verb} {' and '.join(carried) or 'its rules'}: {problem}"
     if name == INIT_METHOD:
         return f"cannot check each scheduler vLLM builds: {problem}"
