@@ -2,9 +2,8 @@
 ``update_from_output`` wrapper, and what a scheduler hands the engine core.
 
 The watchdog reads ``vllm_mamba_fix.stalls.clock``; tests put a :class:`Clock` there
-instead of sleeping for minutes. :func:`update_wrapped` installs the plugin's own
-``update_from_output`` wrapper on ``Scheduler`` where the plugin's loader has not (it
-is the loader's to install; this keeps the tests meaningful until then and after).
+instead of sleeping for minutes. :func:`update_wrapped` checks that the plugin's loader
+installed its own ``update_from_output`` wrapper on ``Scheduler``.
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ from typing import Any
 import pytest
 
 from vllm_mamba_fix import stalls
-from vllm_mamba_fix.stall_end import UPDATE_METHOD, EndOptions, make_update_from_output_wrapper
-from vllm_mamba_fix.targets import MARKER
+from vllm_mamba_fix.stall_end import EndOptions
+from vllm_mamba_fix.targets import MARKER, UPDATE_METHOD
 
 ENDED_PREFIX = "vllm-mamba-fix ended this request"
 
@@ -46,21 +45,17 @@ def install_clock(monkeypatch: pytest.MonkeyPatch, per_call: float = 0.0) -> Clo
 
 
 @contextlib.contextmanager
-def update_wrapped(end_after: float = 30.0) -> Iterator[bool]:
-    """The plugin's update wrapper on ``Scheduler``; yields whether this installed it."""
+def update_wrapped(end_after: float | None = None) -> Iterator[None]:
+    """Fails unless the plugin's loader put its update wrapper on ``Scheduler`` (with
+    ``end_after``, if given), for the block it guards: the ends run through the table's
+    wiring, not a test's."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    method = Scheduler.__dict__[UPDATE_METHOD]
-    if getattr(method, MARKER, None) is not None:
-        yield False
-        return
-    setattr(
-        Scheduler, UPDATE_METHOD, make_update_from_output_wrapper(method, EndOptions(end_after))
-    )
-    try:
-        yield True
-    finally:
-        setattr(Scheduler, UPDATE_METHOD, method)
+    options = getattr(Scheduler.__dict__.get(UPDATE_METHOD), MARKER, None)
+    assert isinstance(options, EndOptions), f"the loader left Scheduler.{UPDATE_METHOD} unwrapped"
+    if end_after is not None:
+        assert options.end_stalls_after == end_after, options
+    yield
 
 
 @dataclass(frozen=True)

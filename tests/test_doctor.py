@@ -216,7 +216,9 @@ def test_default_dry_run_patches_through_the_import_hook_and_undoes(real: dict[s
     dry = data["dry_run"]
     assert dry["ran"] and not dry["forced"]
     assert dry["patched"] and dry["restored"] and dry["via"] == "import hook"
-    assert dry["wrapped_methods"] == ["_mamba_block_aligned_split", "_try_schedule_encoder_inputs"]
+    assert dry["wrapped_methods"] == [
+        "_mamba_block_aligned_split", "_try_schedule_encoder_inputs", "update_from_output",
+    ]  # fmt: skip
     by_class = {s["class"].rsplit(".", 1)[1]: s for s in data["schedulers"]}
     for name in ("Scheduler", "AsyncScheduler"):
         assert by_class[name]["reached"] is True
@@ -232,8 +234,9 @@ def test_default_dry_run_patches_through_the_import_hook_and_undoes(real: dict[s
             "_try_schedule_encoder_inputs": (
                 "wrapped", stock, f"{stock}._try_schedule_encoder_inputs",
             ),
+            "update_from_output": ("wrapped", stock, f"{stock}.update_from_output"),
         }  # fmt: skip
-        # block-unit rides the split's wrapper and stall-end the encoder's, on by default.
+        # block-unit rides the split's wrapper and stall-end the update's, on by default.
         expected_rules = {*_needed_by_version(_VLLM), "block-unit", "stall-watchdog", "stall-end"}
         assert set(record["rules"]) == expected_rules and record["left_out"] == []
         assert record["block_size"] is None  # a dry run builds no scheduler
@@ -332,9 +335,13 @@ def test_custom_scheduler_that_overrides_is_named(real: dict[str, Run]) -> None:
         for s in data["schedulers"]
     }
     split, encoder = "_mamba_block_aligned_split", "_try_schedule_encoder_inputs"
+    update = "update_from_output"
     assert states["OverridingScheduler"][split] == "overridden"
-    assert states["EncoderOverridingScheduler"] == {split: "wrapped", encoder: "overridden"}
-    assert states["InheritingScheduler"] == {split: "wrapped", encoder: "wrapped"}
+    # Its ends would never be ordered: the update wrapper is taken off it too.
+    assert states["EncoderOverridingScheduler"] == {
+        split: "wrapped", encoder: "overridden", update: "stock",
+    }  # fmt: skip
+    assert states["InheritingScheduler"] == dict.fromkeys((split, encoder, update), "wrapped")
     assert data["dry_run"]["restored"] is True
 
 
@@ -358,6 +365,12 @@ PRE_FIX_CODE = """
     def _free_encoder_inputs(self, request):
         spec_lookahead = 1 if self.use_eagle else 0
         return spec_lookahead
+"""
+# Every real release has it; the default fake leaves it out so that the stall-end
+# rule's own absence can be shown.
+UPDATE_CODE = """
+    def update_from_output(self, scheduler_output, model_runner_output):
+        return {}
 """
 BACKPORT_CODE = """
     def schedule(self):
@@ -1155,7 +1168,7 @@ def test_a_split_another_plugin_assigns_is_wrapped_in_either_order(
 
 
 def test_settings_show_every_variable_and_the_rule_switches(tmp_path: Path) -> None:
-    site = _fake_vllm(tmp_path / "site", "0.27.1")
+    site = _fake_vllm(tmp_path / "site", "0.27.1", code=UPDATE_CODE)
     env = {"PYTHONPATH": str(site), "VLLM_MAMBA_FIX_END_STALLS_AFTER": "5"}
     data = _run(_doctor("--json"), env).json()
     settings = data["settings"]

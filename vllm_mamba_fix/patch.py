@@ -97,7 +97,10 @@ def install_on_base(
         rule_options = options.get(name)
         if rule_options is None:
             continue
+        needs = rules.NEEDS.get(name)
         problem = check_target(base, name)
+        if needs is not None and needs not in wrapped:
+            problem = f"it acts through {needs}, which is not wrapped"
         if problem is not None:
             problems[name] = problem
             continue

@@ -26,7 +26,7 @@ from vllm_mamba_fix.blocks import BlockUnit, set_block_unit, unit_of_scheduler
 from vllm_mamba_fix.config import Settings, load_settings
 from vllm_mamba_fix.evidence import Evidence, read_evidence
 from vllm_mamba_fix.policy import Plan, Preflight, Rule, preflight
-from vllm_mamba_fix.record import ClassRecord, MethodState, class_name
+from vllm_mamba_fix.record import ClassRecord, MethodRecord, MethodState, class_name
 from vllm_mamba_fix.scope import ScopePolicy
 from vllm_mamba_fix.targets import FREE_REQUEST_METHOD, INIT_METHOD, SCHEDULER_CLASS, SPLIT_METHOD
 from vllm_mamba_fix.versions import Family, family_for
@@ -161,6 +161,8 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
             wrapped, problems = patch.install_on_base(base, options, _on_scheduler_built)
             installed = dataclasses.replace(installed, unpatchable_on_base=frozenset(problems))
             for name, problem in problems.items():
+                if rules.NEEDS.get(name) in problems:
+                    continue  # the line of the method it acts through names its rules
                 # Without _free_request only the streak cap bounds per-request state.
                 level = logging.DEBUG if name == FREE_REQUEST_METHOD else logging.WARNING
                 _say_once(level, _install_problem_line(name, problem, decided))
@@ -184,9 +186,9 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
 
 def _install_problem_line(name: str, problem: str, decided: Plan) -> str:
     if name in rules.RULE_METHODS:
-        carried = sorted(r.value for r in decided.rules if rules.RULE_METHOD[r] == name)
+        carried = ", ".join(r.value for r in rules.rules_through(name, decided.rules))
         verb = "not patching" if name == SPLIT_METHOD else "not installing"
-        return f"{verb} {' and '.join(carried) or 'its rules'}: {problem}"
+        return f"{verb} {carried or 'its rules'}: {problem}"
     if name == INIT_METHOD:
         return f"cannot check each scheduler vLLM builds: {problem}"
     return f"per-request state is bounded only by its cap: {problem}"
@@ -255,16 +257,18 @@ def _settle_class(cls: type, installed: _Installed) -> ClassRecord:
             owner_options[owner] = _plan_for(owner, installed)[1]
         return owner_options[owner]
 
-    methods = tuple(
-        patch.settle_method(
+    settled: dict[str, MethodRecord] = {}
+    for name in rules.RULE_METHODS:
+        needs = rules.NEEDS.get(name)
+        acts = needs is None or bool(settled[needs].rules)
+        settled[name] = patch.settle_method(
             cls,
             installed.base,
             name,
-            options.get(name),
+            options.get(name) if acts else None,
             lambda owner, name=name: options_of(owner).get(name) is not None,
         )
-        for name in rules.RULE_METHODS
-    )
+    methods = tuple(settled.values())
     _settled[class_name(cls)] = cls
     _refresh_others(cls, installed)
     return ClassRecord(class_name(cls), decided, evidence, methods)

@@ -38,12 +38,14 @@ from vllm_mamba_fix.policy import (
     watchdog_verdict,
 )
 from vllm_mamba_fix.scope import ScopePolicy
+from vllm_mamba_fix.stall_end import EndOptions, make_update_from_output_wrapper
 from vllm_mamba_fix.targets import (
     ENCODER_METHOD,
     FREE_REQUEST_METHOD,
     INIT_METHOD,
     MARKER,
     SPLIT_METHOD,
+    UPDATE_METHOD,
 )
 from vllm_mamba_fix.versions import Family, PrefillGate
 from vllm_mamba_fix.wrappers import WrapOptions, make_wrapper
@@ -67,6 +69,8 @@ class MethodSpec:
     wrap: Callable[[Callable[..., Any], Any], Callable[..., Any]]
     # The rules a built wrapper's options carry.
     carried: Callable[[Any], frozenset[Rule]]
+    # The method whose wrapper this one's rules act through: not wrapped where it is not.
+    needs: str | None = None
 
 
 RULES: tuple[RuleSpec, ...] = (
@@ -88,7 +92,7 @@ RULES: tuple[RuleSpec, ...] = (
         ("stalls_detected", "stalls_resolved"), fixes=False,
     ),
     RuleSpec(
-        Rule.STALL_END, ENCODER_METHOD, stall_end_verdict, ENV_END_STALLS_AFTER,
+        Rule.STALL_END, UPDATE_METHOD, stall_end_verdict, ENV_END_STALLS_AFTER,
         ("stalls_ended",), fixes=False,
     ),
 )  # fmt: skip
@@ -125,24 +129,41 @@ def _encoder_options(
 
 
 def _encoder_carried(options: EncoderOptions) -> frozenset[Rule]:
+    # Its end_stalls_after only orders ends; the update wrapper carries the rule out.
     carried = {Rule.SPECULATIVE_STALL} if options.release_speculative_stalls else set()
     if options.stall_seconds is not None:
         carried.add(Rule.STALL_WATCHDOG)
-    if options.end_stalls_after is not None:
-        carried.add(Rule.STALL_END)
     return frozenset(carried)
+
+
+def _update_options(
+    rules: frozenset[Rule], settings: Settings, family: Family, scope: ScopePolicy
+) -> EndOptions | None:
+    after = settings.end_stalls_after
+    return EndOptions(after) if Rule.STALL_END in rules and after is not None else None
+
+
+def _update_carried(options: EndOptions) -> frozenset[Rule]:
+    return frozenset({Rule.STALL_END})
 
 
 METHODS: tuple[MethodSpec, ...] = (
     MethodSpec(SPLIT_METHOD, _split_options, make_wrapper, _split_carried),
     MethodSpec(ENCODER_METHOD, _encoder_options, make_encoder_wrapper, _encoder_carried),
-)
+    # The watchdog in the encoder wrapper orders the ends this wrapper carries out.
+    MethodSpec(
+        UPDATE_METHOD, _update_options, make_update_from_output_wrapper, _update_carried,
+        needs=ENCODER_METHOD,
+    ),
+)  # fmt: skip
 
 # The rule-carrying methods, in the order the log names them.
 RULE_METHODS: tuple[str, ...] = tuple(spec.name for spec in METHODS)
 # Every method the plugin wraps: the rule carriers, the per-construction check, and
 # the end of per-request state.
 ALL_WRAPPED: tuple[str, ...] = (*RULE_METHODS, INIT_METHOD, FREE_REQUEST_METHOD)
+# Per method, the method whose wrapper its rules act through.
+NEEDS: dict[str, str] = {spec.name: spec.needs for spec in METHODS if spec.needs is not None}
 RULE_METHOD: dict[Rule, str] = {spec.rule: spec.method for spec in RULES}
 FIX_RULES: tuple[Rule, ...] = tuple(spec.rule for spec in RULES if spec.fixes)
 # Rules of the split method, which do nothing where vLLM never calls it.
@@ -151,6 +172,12 @@ SPLIT_RULES: frozenset[Rule] = frozenset(r for r, m in RULE_METHOD.items() if m 
 
 def method_spec(name: str) -> MethodSpec:
     return next(spec for spec in METHODS if spec.name == name)
+
+
+def rules_through(name: str, chosen: frozenset[Rule]) -> list[Rule]:
+    """The ``chosen`` rules that act through method ``name``'s wrapper, in table order."""
+    methods = {name} | {method for method, needs in NEEDS.items() if needs == name}
+    return [spec.rule for spec in RULES if spec.rule in chosen and spec.method in methods]
 
 
 def plan(settings: Settings, family: Family, evidence: Evidence) -> Plan:

@@ -52,10 +52,9 @@ from typing import Any
 from vllm_mamba_fix import counters
 from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.stalls import Streak, ZeroStreaks
-from vllm_mamba_fix.targets import MARKER
+from vllm_mamba_fix.targets import MARKER, UPDATE_METHOD
 from vllm_mamba_fix.wrappers import failure_reporter
 
-UPDATE_METHOD = "update_from_output"
 # Per scheduler instance: request id -> EndOrder, executed by the update wrapper.
 ORDERS_ATTR = "_vllm_mamba_fix_end_orders"
 _OUTPUT_FIELDS = ("request_id", "new_token_ids", "finish_reason", "stop_reason")

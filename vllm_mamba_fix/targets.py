@@ -18,6 +18,8 @@ FREE_METHOD = "_free_encoder_inputs"
 INIT_METHOD = "__init__"
 # Wrapped so per-request state ends with the request (finished or aborted).
 FREE_REQUEST_METHOD = "_free_request"
+# Wrapped so an ordered stall end runs where vLLM ends client aborts.
+UPDATE_METHOD = "update_from_output"
 
 SPLIT_LEADING_PARAMETERS = ("self", "request", "num_new_tokens")
 # The extra computed-token arguments the waiting loop passes, in order.
@@ -33,6 +35,7 @@ ENCODER_PARAMETERS = (
     "shift_computed_tokens",
 )  # fmt: skip
 FREE_REQUEST_LEADING_PARAMETERS = ("self", "request")
+UPDATE_LEADING_PARAMETERS = ("self", "scheduler_output", "model_runner_output")
 
 # Set on the plugin's wrappers (its value: the wrapper's options), so a second patch and
 # the per-scheduler check recognise them.
@@ -70,6 +73,7 @@ def shape_problem(method: Any, qualified: str, name: str) -> str | None:
     leading = {
         SPLIT_METHOD: SPLIT_LEADING_PARAMETERS,
         FREE_REQUEST_METHOD: FREE_REQUEST_LEADING_PARAMETERS,
+        UPDATE_METHOD: UPDATE_LEADING_PARAMETERS,
         INIT_METHOD: ("self",),
     }[name]
     if parameters[: len(leading)] != leading:

@@ -12,8 +12,7 @@ appear at the API server's ``/metrics`` with no other server or port:
   which leaves vLLM's split stock while the watchdog runs) and the watchdog at 3 s: the
   request stalls, the watchdog's WARNING line appears and ``stalls_named`` rose by one
   scraped after it; then the stall-ending rule (5 s) finishes the request and
-  ``stalls_ended`` rose by one. The ended half is skipped, with the reason, where the rule
-  is not wired (``_stall_end_rule_missing``).
+  ``stalls_ended`` rose by one.
 
 Engine starts: 2 (about 30-90 s each).
 """
@@ -113,30 +112,6 @@ def test_metrics_count_corrections(tiny_model_dir: Path, tmp_path: Path, stock_h
     assert after[_series("stalls_detected")] == 0  # corrected, never stalled
 
 
-def _stall_end_rule_missing() -> str | None:
-    """Why the ended half cannot run here, or None."""
-    import importlib.util
-
-    from vllm_mamba_fix import rules
-
-    if importlib.util.find_spec("vllm_mamba_fix.stall_end") is None:
-        return (
-            "the stall-ending rule (VLLM_MAMBA_FIX_END_STALLS_AFTER, vllm_mamba_fix/stall_end.py) "
-            "is not built yet: no stall can be ended, so stalls_ended cannot rise"
-        )
-    from vllm_mamba_fix.stall_end import UPDATE_METHOD
-
-    if UPDATE_METHOD not in rules.ALL_WRAPPED:
-        # stall_end.support_of() then says "not ended: the plugin's update_from_output
-        # wrapper is not installed": the stall is named, never ended.
-        return (
-            f"the stall-ending rule is not wired: the plugin does not wrap "
-            f"Scheduler.{UPDATE_METHOD} (not in rules.ALL_WRAPPED), so a named stall is never "
-            "ended and stalls_ended cannot rise"
-        )
-    return None
-
-
 @dataclass
 class StallRun:
     """One server, one request that stalls: scraped when named and again when ended."""
@@ -164,12 +139,11 @@ def stall_run(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, stock_hangs: None
 ) -> StallRun:
     workdir = tmp_path_factory.mktemp("metrics-stall")
-    end_rule = _stall_end_rule_missing() is None
     env = {
         "VLLM_MAMBA_FIX": "auto",
         "VLLM_MAMBA_FIX_SPLIT_RULE": "0",  # the split left stock: the request stalls
         "VLLM_MAMBA_FIX_STALL_SECONDS": "3",
-        "VLLM_MAMBA_FIX_END_STALLS_AFTER": "5" if end_rule else "off",
+        "VLLM_MAMBA_FIX_END_STALLS_AFTER": "5",
         **logging_config_env(workdir, (PLUGIN_LOGGER,)),
     }
     with run_server(tiny_model_dir, workdir, env) as server:
@@ -180,11 +154,10 @@ def stall_run(
         request.start()
         _wait_named(server, start + REQUEST_DEADLINE_S)
         run = StallRun(before, scrape_metrics(server.base_url), [], request)
-        if end_rule:
-            request.join(timeout=max(0.0, start + REQUEST_DEADLINE_S - time.monotonic()))
-            run.elapsed_s = time.monotonic() - start
-            if not request.is_alive():  # counted in the engine core before the finish left it
-                run.ended = scrape_metrics(server.base_url)
+        request.join(timeout=max(0.0, start + REQUEST_DEADLINE_S - time.monotonic()))
+        run.elapsed_s = time.monotonic() - start
+        if not request.is_alive():  # counted in the engine core before the finish left it
+            run.ended = scrape_metrics(server.base_url)
         run.health = server.health()
         run.lines = _engine_lines(server.log_text())
     return run
@@ -203,9 +176,6 @@ def test_metrics_count_named_stalls(stall_run: StallRun) -> None:
 
 
 def test_metrics_count_ended_stalls(stall_run: StallRun) -> None:
-    missing = _stall_end_rule_missing()
-    if missing:
-        pytest.skip(missing)
     request = stall_run.request
     assert stall_run.ended is not None, (
         f"the stalled request was not ended in {REQUEST_DEADLINE_S:.0f} s\n"

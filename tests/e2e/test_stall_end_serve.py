@@ -31,15 +31,7 @@ import pytest
 
 from tests.e2e.serve_helpers import image_data_url, run_server
 
-pytestmark = [
-    pytest.mark.e2e,
-    # The end is carried out by the update_from_output wrapper (stall_end.py); until the rule
-    # table installs it, orders are never executed and this test would wait out its bound.
-    pytest.mark.skipif(
-        "update_from_output" not in __import__("vllm_mamba_fix.rules").rules.RULE_METHODS,
-        reason="the update_from_output wrapper is not in the rule table yet (issue 21 open)",
-    ),
-]
+pytestmark = pytest.mark.e2e
 
 STALL_SECONDS = 5.0
 END_AFTER = 5.0

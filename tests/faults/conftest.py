@@ -83,6 +83,9 @@ class Scheduler(SchedulerInterface):
     def _free_request(self, request):
         return None
 
+    def update_from_output(self, scheduler_output, model_runner_output):
+        return {{}}
+
     def _free_encoder_inputs(self, request):
         # Deferred by the drafter's look-ahead, as 0.24-0.32 do.
         spec_lookahead = 1 if self.use_eagle else 0

@@ -51,7 +51,7 @@ def test_unexpected_encoder_signature_leaves_that_method_stock(
     module.Scheduler(BLOCK)
     logs.assert_no_traceback()
     (warning,) = logs.warnings
-    assert "not installing speculative-stall and stall-end and stall-watchdog" in warning
+    assert "not installing speculative-stall, stall-watchdog, stall-end:" in warning
     assert "unexpected signature" in warning and "computed, n, budget, shift" in warning
     (active,) = [line for line in logs.visible if " active: " in line]
     assert "carries split [" in active and "wraps" in active

@@ -58,7 +58,9 @@ class Case:
             # The smallest pool vLLM's start-up check lets hold one max_model_len request
             # (see build); two long requests at once preempt.
             longest = max(r.prompt_len + r.max_tokens for r in self.scenario.requests) + 16
-            changes["max_model_len"] = max_len = max(longest, 1024)
+            # vLLM wants the token budget and long-prefill threshold within max_model_len.
+            max_len = max(longest, 1024, self.scenario.budget, self.scenario.threshold)
+            changes["max_model_len"] = max_len
             changes["num_blocks"] = max_len // self.scenario.block_size + 2
         if self.saturated_encoder:
             sizes = [n for r in self.scenario.requests for _, n in r.mm_spans]

@@ -29,7 +29,15 @@ from vllm_mamba_fix.doctor.verdict import PER_SCHEDULER
 from vllm_mamba_fix.evidence import defining_class
 from vllm_mamba_fix.policy import Rule
 from vllm_mamba_fix.record import ClassRecord, MethodState
-from vllm_mamba_fix.rules import ALL_WRAPPED, FIX_RULES, RULE_METHOD, RULE_METHODS, SPLIT_RULES
+from vllm_mamba_fix.rules import (
+    ALL_WRAPPED,
+    FIX_RULES,
+    NEEDS,
+    RULE_METHOD,
+    RULE_METHODS,
+    SPLIT_RULES,
+    rules_through,
+)
 from vllm_mamba_fix.targets import SCHEDULER_CLASS, SCHEDULER_MODULE
 
 BASE_SCHEDULER = f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS}"
@@ -310,10 +318,13 @@ def _method_lines(
     name, role = check.target.qualname, check.target.role
     clean = True
     for method in RULE_METHODS:
-        rules = names_text([r.value for r in Rule if r in planned and RULE_METHOD[r] == method])
-        if not rules:
+        if method in NEEDS:
+            continue  # its rules are named with the method they act through
+        through = rules_through(method, planned)
+        if not through:
             continue
-        breaks = any(RULE_METHOD[r] == method for r in needed)
+        rules = names_text([r.value for r in through])
+        breaks = any(r in needed for r in through)
         found = check.record.method(method) if check.record else None
         overridden = entry["methods"][method]["overridden_by"]
         if found is not None and found.state is MethodState.OVERRIDDEN:

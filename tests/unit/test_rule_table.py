@@ -1,0 +1,19 @@
+"""The rule table names every counter once, and each counter has its /metrics series."""
+
+from __future__ import annotations
+
+from vllm_mamba_fix import counters, metrics, rules
+
+
+def test_every_counter_belongs_to_a_rule_and_every_rule_key_is_counted() -> None:
+    rule_keys = {key for spec in rules.RULES for key in spec.stats_keys}
+    assert rule_keys == set(counters.KEYS)
+    assert set(metrics.SERIES) == set(counters.KEYS)
+
+
+def test_the_running_totals_name_every_counter() -> None:
+    counts = {key: index + 1 for index, key in enumerate(counters.KEYS)}
+    text = counters.totals_text(counts)
+    # stalls_resolved rides only on the shutdown summary ("moved again").
+    shown = [key for key in counters.KEYS if key != "stalls_resolved"]
+    assert all(f"{counts[key]} " in text for key in shown)
