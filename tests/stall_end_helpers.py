@@ -58,6 +58,16 @@ def update_wrapped(end_after: float | None = None) -> Iterator[None]:
     yield
 
 
+@contextlib.contextmanager
+def update_stock() -> Iterator[None]:
+    """Fails unless ``Scheduler``'s update is vLLM's own (the stall-end rule off)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    method = Scheduler.__dict__.get(UPDATE_METHOD)
+    assert getattr(method, MARKER, None) is None, f"Scheduler.{UPDATE_METHOD} is wrapped"
+    yield
+
+
 @dataclass(frozen=True)
 class Finish:
     finish_reason: Any
