@@ -22,7 +22,6 @@ R exempt from ending (the counterfactual); R must not complete there either.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +32,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.properties._support import FIGURES, profile, scenarios
-from tests.stall_end_helpers import Clock, capture_finishes, ended, update_wrapped
+from tests.stall_end_helpers import (
+    Clock,
+    capture_finishes,
+    ended,
+    load_with_stall_end,
+    update_wrapped,
+)
 from tools import prop_adapters as pa
 from tools import sched_harness as harness
 from tools.prop_adapters import PropRequest, PropScenario
@@ -127,6 +132,12 @@ class Run:
     steps: int
 
 
+def _load(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    harness.load_plugins()
+
+
 @contextmanager
 def plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The plugin as vLLM loads it (forced where a release leaves it off), the end on."""
@@ -134,11 +145,7 @@ def plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         for name, value in ENV.items():
             monkeypatch.setenv(name, value)
         harness.unload_plugin()
-        harness.load_plugins()
-        if not harness.split_is_wrapped():
-            os.environ["VLLM_MAMBA_FIX"] = "force"
-            harness.unload_plugin()
-            harness.load_plugins()
+        load_with_stall_end(lambda **env: _load(monkeypatch, **env))
         monkeypatch.setattr(stalls, "clock", Clock(per_call=100.0))
         try:
             with update_wrapped():

@@ -125,7 +125,12 @@ def test_every_chunk_is_what_vllm_schedules_with_the_block_pinned(
     load_plugin()  # 0.28+: only the block-unit rule wraps the split
     before = stats()["block_rule_chunks"]
     text = _reuse_run(mismatched, text_only)
-    assert _chunks(text) == _chunks(stock_pinned)
+    assert text.violations(CACHED) == []
+    assert _chunks(text) == _chunks(_reuse_run(pinned_cfg, text_only))
+    # Where stock, pinned, keeps a request that starts mid-block misaligned (0.15-0.25 under
+    # MTP), the split rule re-aligns it; elsewhere the chunks are stock's own.
+    if not stock_pinned.violations(CACHED):
+        assert _chunks(text) == _chunks(stock_pinned)
     everything_pinned = _reuse_run(pinned_cfg, LATER)
     everything = _reuse_run(mismatched, LATER)
     assert everything.completed, everything.stall_at

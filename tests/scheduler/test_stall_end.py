@@ -25,6 +25,7 @@ from tests.stall_end_helpers import (
     capture_finishes,
     ended,
     install_clock,
+    load_with_stall_end,
     update_stock,
     update_wrapped,
 )
@@ -198,12 +199,7 @@ def test_input_larger_than_the_cache_is_ended(
     (a budget of 2048: 0.17 rejects budgets below the 1056 block it derives):
     the shape 0.33 still has (an error carrying the message there)."""
     clock = install_clock(monkeypatch)
-    load_plugin(**_env(str(BOUND)))
-    if _watchdog_seconds() is None:  # no fix rule by default (0.28+): forced, as an operator can
-        harness.unload_plugin()
-        load_plugin(VLLM_MAMBA_FIX="force")
-    if _watchdog_seconds() is None:
-        pytest.skip("the plugin runs no watchdog on this release, even forced")
+    load_with_stall_end(lambda **env: load_plugin(**_env(str(BOUND)), **env))
     cfg = HarnessConfig(
         block_size=256, max_num_batched_tokens=2048, encoder_cache_tokens=512,
         max_model_len=8192,
@@ -229,7 +225,7 @@ def test_an_order_for_a_moving_request_is_dropped(
     from vllm_mamba_fix import stall_end, stalls
 
     install_clock(monkeypatch)
-    load_plugin(**_env(str(BOUND)))
+    load_with_stall_end(lambda **env: load_plugin(**_env(str(BOUND)), **env))
     with update_wrapped(BOUND):
         h = harness.Harness(ISSUE_CONFIG)
         finishes = capture_finishes(h.scheduler)
