@@ -35,6 +35,7 @@ OUTCOMES_ENV = "VLLM_MAMBA_FIX_MATRIX_OUTCOMES"
 # What the subprocess runs: a change to any file under these changes every key.
 KEY_SOURCES: tuple[str, ...] = (
     "vllm_mamba_fix", "tools", "tests/scheduler", "tests/properties", "tests/conftest.py",
+    "tests/stall_end_helpers.py",
     "pyproject.toml",
 )  # fmt: skip
 # The environment that decides the hypothesis profile and its size.
