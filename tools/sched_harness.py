@@ -404,7 +404,7 @@ def _engine_config(cfg: HarnessConfig, architecture: str, block_size: int | None
             try:
                 return args.create_engine_config()
             except Exception as exc:
-                if not _rejects_block_above_budget(exc):
+                if not _passes_with_its_block(exc, cfg):
                     raise
             # 0.17 checks the block it derives while building the config (1056) against the
             # budget; the harness forces its own block afterwards, so it validates with room
@@ -429,8 +429,15 @@ def _engine_config(cfg: HarnessConfig, architecture: str, block_size: int | None
 _ROOMY_BUDGET = 8192  # above every block vLLM derives for the harness's model shapes
 
 
-def _rejects_block_above_budget(exc: Exception) -> bool:
-    return "must be <= max_num_batched_tokens" in str(exc)
+def _passes_with_its_block(exc: Exception, cfg: HarnessConfig) -> bool:
+    """Whether ``exc`` is 0.17's check of its derived block against the budget, which a
+    config holding the harness's smallest pinned block would pass."""
+    pinned = [size for size in (cfg.block_size, cfg.configured_block_size) if size]
+    return (
+        "must be <= max_num_batched_tokens" in str(exc)
+        and bool(pinned)
+        and min(pinned) <= cfg.max_num_batched_tokens
+    )
 
 
 @contextlib.contextmanager
