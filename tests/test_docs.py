@@ -184,6 +184,18 @@ def test_stall_seconds_values_and_default_match_config() -> None:
     assert config.load_settings({config.ENV_STALL_SECONDS: "-1"}).problems
 
 
+def test_the_bounds_the_docs_justify_are_configs_defaults() -> None:
+    """The reliability page argues for the two defaults; its figures must be the code's."""
+    text = (REPO / "docs" / "reliability.md").read_text()
+    stated = re.search(rf"`{config.ENV_END_STALLS_AFTER}` defaults to (\d+) s", text)
+    assert stated, "docs/reliability.md no longer states the end's default"
+    assert float(stated.group(1)) == config.DEFAULT_END_STALLS_AFTER
+    assert f"`{config.ENV_STALL_SECONDS}` ({config.DEFAULT_STALL_SECONDS:g} s)" in text
+    assert float(config_table()[config.ENV_END_STALLS_AFTER].default) == (
+        config.DEFAULT_END_STALLS_AFTER
+    )
+
+
 def test_vllm_plugins_row_names_the_plugin() -> None:
     row = config_table()[config.ENV_VLLM_PLUGINS]
     assert row.default == "unset"

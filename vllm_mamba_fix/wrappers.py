@@ -324,11 +324,14 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
                 + num_new_local_computed_tokens
                 + num_external_computed_tokens
             )
-            # can_need_correction(), inlined: this runs for every request on every step.
-            if stock == num_new_tokens and block_size and not text_streaks and not zeroed:
+            # can_need_correction(), inlined: this runs for every request on every step. Only
+            # this request's own 0s matter: another's (a budget's tail floored) must not slow it.
+            if stock == num_new_tokens and block_size:
                 offset = start % block_size
                 if not offset or offset + stock <= block_size:
-                    return stock
+                    rid = request.request_id
+                    if rid not in zeroed and rid not in text_streaks:
+                        return stock
             extra = _given(
                 num_new_local_computed_tokens,
                 num_external_computed_tokens,
