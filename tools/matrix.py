@@ -54,15 +54,17 @@ ALL_MODES: tuple[str, ...] = ("sync", "async", "sync+mtp2", "async+mtp2")
 # CI: one release per family (vllm_mamba_fix.versions.FAMILIES) and the modes it runs there.
 # Every mode on 0.27.1, the last affected release. Elsewhere sync, plus sync+mtp2 on 0.28.0:
 # on 0.28-0.32 the speculative-stall rule is all the plugin does, and it needs MTP to act.
-# The exhaustive runs (every mode, 20 releases) stay `python -m tools.matrix` (--all: every one).
+# The newest family is represented by the newest release (0.34.0), which is what a new
+# deployment installs; 0.33.0 stays in the exhaustive run.
+# The exhaustive runs (every mode, 21 releases) stay `python -m tools.matrix` (--all: every one).
 CI_MODES: dict[str, str] = {
     "0.15.1": "sync", "0.19.1": "sync", "0.25.1": "sync", "0.26.0": "sync",
-    "0.27.1": "all", "0.28.0": "sync,sync+mtp2", "0.33.0": "sync",
+    "0.27.1": "all", "0.28.0": "sync,sync+mtp2", "0.34.0": "sync",
 }  # fmt: skip
 
 
 def default_releases() -> list[str]:
-    """The first affected release, then the latest patch of every minor 0.15 ... 0.33."""
+    """The first affected release, then the latest patch of every minor 0.15 ... 0.34."""
     latest: dict[tuple[int, int], str] = {}
     for release in releases.ALL_RELEASES:
         major, minor, _ = (int(x) for x in release.split("."))

