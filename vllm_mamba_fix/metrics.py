@@ -16,6 +16,9 @@ multiprocess files. Every release 0.15-0.33 serves ``/metrics`` from
   that counts makes it. Counts made in the serving process itself (an engine in the same
   process) stay in memory, so that process writes no file.
 
+A non-hybrid model's engine core prepares nothing (no directory, no series); a killed
+server's private directory is removed when the next one starts (metrics_sweep.py).
+
 An engine core's file is ``counter_vllm-mamba-fix-<pid>.db``: prometheus_client's own format
 (``MmapedDict``), under a name of its own so it never shares a file with a metric
 prometheus_client may keep in the same process. No server, no port. prometheus_client comes
@@ -36,8 +39,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from vllm_mamba_fix import config
+from vllm_mamba_fix import config, metrics_sweep
 from vllm_mamba_fix._log import logger
+from vllm_mamba_fix.blocks import unit_of_scheduler
 
 FILE_PREFIX = "counter_vllm-mamba-fix-"  # "counter_": the type MultiProcessCollector reads
 
@@ -193,6 +197,7 @@ _writer: _Writer | None = None
 _local: _Local | None = None  # set in the process whose REGISTRY serves the counts
 _said: set[str] = set()
 _off_pid: int | None = None  # the process where opening the writer failed
+_swept_pid: int | None = None  # the process that swept old directories (once per process)
 
 
 def _say_once(level: str, message: str, *args: Any) -> None:
@@ -273,11 +278,18 @@ def count(key: str, amount: int = 1) -> None:
         _say_once("debug", "metrics not written (%s)", f"{type(exc).__name__}: {exc}")
 
 
-def prepare() -> None:
+def prepare(scheduler: Any = None) -> None:
     """Create every series at 0, so ``increase()`` alerts see them before the first count.
 
-    Called when the engine core builds a scheduler. Never raises.
+    Called when the engine core builds ``scheduler``. Not for a scheduler without Mamba KV
+    cache groups (a non-hybrid model): vLLM never calls the split there, so the plugin has
+    nothing to count, and the engine core makes no directory and no series. Never raises.
     """
+    try:
+        if scheduler is not None and unit_of_scheduler(scheduler).no_mamba:
+            return
+    except Exception:  # a broken attribute: prepare, as before
+        pass
     for key in SERIES:
         count(key, 0)
 
@@ -289,17 +301,24 @@ def attach() -> None:
     the process (the API server): engine cores and workers are multiprocessing children and
     inherit :data:`ENV_DIR` from it. A value inherited by the API server itself (a program
     that loaded the plugin and then ran ``vllm serve``) is replaced. Writes no file: the
-    directory is made by the first engine core that counts. Never raises.
+    directory is made by the first engine core that counts. First, once per process, removes
+    the private directories of serving processes that are gone. Never raises.
     """
+    global _swept_pid
     try:
-        if directories()[0] or multiprocessing.parent_process() is not None:
+        if multiprocessing.parent_process() is not None:
+            return
+        if _swept_pid != os.getpid():
+            _swept_pid = os.getpid()
+            metrics_sweep.sweep(keep=directories())
+        if directories()[0]:
             return
         found = _import_prometheus()
         if isinstance(found, Exception):
             _say_once("debug", "prometheus_client is not importable (%s)", type(found).__name__)
             return
         with _lock:
-            name = f"vllm-mamba-fix-metrics-{os.getpid()}-{secrets.token_hex(6)}"
+            name = metrics_sweep.directory_name(secrets.token_hex(6))
             directory = _serve_here(found, os.path.join(tempfile.gettempdir(), name))
             hand_down(directory)
     except Exception as exc:

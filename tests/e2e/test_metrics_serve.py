@@ -4,10 +4,11 @@ The tiny model as in ``test_serve.py`` (block 256 pinned, budget 384, two images
 0.27.1 would hang and the plugin corrects). The counts are made in the engine core and must
 appear at the API server's ``/metrics`` with no other server or port:
 
-- corrected: after one two-image request, each ``vllm_mamba_fix_*`` series rose by exactly
-  the number of correction lines the engine core logged for it (the plugin's logger at DEBUG,
-  so the lines after a request's first one are seen too), and by at least the running totals
-  on the last INFO correction line;
+- corrected: a killed server's private directory, left in the server's TMPDIR, is gone once
+  the server is healthy, and its own is in use; after one two-image request, each
+  ``vllm_mamba_fix_*`` series rose by exactly the number of correction lines the engine core
+  logged for it (the plugin's logger at DEBUG, so the lines after a request's first one are
+  seen too), and by at least the running totals on the last INFO correction line;
 - named and ended: one more server, with the split rule off (``VLLM_MAMBA_FIX_SPLIT_RULE=0``,
   which leaves vLLM's split stock while the watchdog runs) and the watchdog at 3 s: the
   request stalls, the watchdog's WARNING line appears and ``stalls_named`` rose by one
@@ -19,7 +20,11 @@ Engine starts: 2 (about 30-90 s each).
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,11 +93,57 @@ def _all_series_present(scraped: dict[str, float]) -> None:
     )
 
 
+# A server killed before its atexit ran (SIGKILL): its engine core counted, so its private
+# directory is left behind with a counter file in it.
+KILLED_SERVER = """
+import multiprocessing as mp, os, signal
+from vllm_mamba_fix import metrics
+
+def engine_core():
+    metrics.prepare()
+    metrics.count("stalls_ended")
+
+if __name__ == "__main__":
+    metrics.attach()
+    proc = mp.get_context("spawn").Process(target=engine_core)
+    proc.start()
+    proc.join(60)
+    print("DIR", os.environ[metrics.ENV_DIR], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _killed_servers_directory(tmp: Path) -> Path:
+    script = tmp.parent / "killed_server.py"
+    script.write_text(KILLED_SERVER)
+    env = {
+        k: v for k, v in os.environ.items() if k not in (metrics.PROMETHEUS_DIR, metrics.ENV_DIR)
+    }
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env={**env, "TMPDIR": str(tmp)}, timeout=120)  # fmt: skip
+    assert run.returncode == -signal.SIGKILL, run.stdout + run.stderr
+    leftover = Path(run.stdout.split("DIR ", 1)[1].strip())
+    assert [f.name.startswith(metrics.FILE_PREFIX) for f in leftover.iterdir()] == [True]
+    return leftover
+
+
 def test_metrics_count_corrections(tiny_model_dir: Path, tmp_path: Path, stock_hangs: None) -> None:
-    env = {"VLLM_MAMBA_FIX": "auto", **logging_config_env(tmp_path, (PLUGIN_LOGGER,))}
+    # The server's own temporary directory, with a killed server's leftover in it (issue 27).
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    leftover = _killed_servers_directory(tmp)
+    env = {
+        "VLLM_MAMBA_FIX": "auto",
+        "TMPDIR": str(tmp),
+        **logging_config_env(tmp_path, (PLUGIN_LOGGER,)),
+    }
     with run_server(tiny_model_dir, tmp_path, env) as server:
         before = scrape_metrics(server.base_url)
         _all_series_present(before)
+        # The API server's start swept the killed one's directory; its own is in use.
+        assert not leftover.exists()
+        own = list(tmp.glob("vllm-mamba-fix-metrics-*"))
+        assert len(own) == 1 and len(list(own[0].iterdir())) == 1, own
         request = StreamingRequest(server.base_url)
         request.start()
         request.join(timeout=REQUEST_DEADLINE_S)

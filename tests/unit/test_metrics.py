@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,16 @@ def threads(n_threads, n):
     ts = [threading.Thread(target=work) for _ in range(n_threads)]
     for t in ts: t.start()
     for t in ts: t.join()
+
+def build_scheduler(attention_only):
+    # An engine core: the plugin loaded the engine's way, then a real Scheduler built, over
+    # the attention layers' KV cache only (a model without Mamba layers) or the hybrid's.
+    from tools import sched_harness
+
+    sched_harness.load_plugins()
+    harness = sched_harness.Harness(sched_harness.HarnessConfig(attention_only=attention_only))
+    split = type(harness.scheduler).__dict__["_mamba_block_aligned_split"]
+    assert hasattr(split, "__wrapped__"), "the plugin did not patch the scheduler"
 
 def run(method, target, *args):
     proc = mp.get_context(method).Process(target=target, args=args)
@@ -136,9 +147,17 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _tmpdir(tmp_path: Path) -> Path:
+    """The runs' TMPDIR: attach() names and sweeps private directories there, never in /tmp."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return tmp
+
+
 def _run(tmp_path: Path, body: str, plan: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     script = tmp_path / "parent.py"
     script.write_text(PARENT.format(body=textwrap.indent(textwrap.dedent(body), "    ")))
+    env = {"TMPDIR": str(_tmpdir(tmp_path)), **env}
     run = subprocess.run(
         [sys.executable, str(script), json.dumps(plan)],
         capture_output=True,
@@ -359,3 +378,186 @@ def test_without_prometheus_client_nothing_raises(tmp_path: Path) -> None:
         if "vllm.mamba_fix" in line and "prometheus_client" in line and not line.startswith("DEBUG")
     ]
     assert len(said) == 1 and said[0].startswith("INFO"), output
+
+
+# --------------------------------------------------------------------------- housekeeping
+
+
+@pytest.mark.parametrize("attention_only", [True, False], ids=["no-mamba-groups", "hybrid"])
+def test_only_a_scheduler_with_mamba_groups_prepares_the_series(
+    tmp_path: Path, attention_only: bool
+) -> None:
+    """Issue 27: a non-hybrid model's engine core makes no directory and no series.
+
+    The child builds vLLM's real ``Scheduler`` with the plugin loaded the engine's way; the
+    API-server parent reads vLLM's own registry. The hybrid run is the control: the same
+    build prepares every series at 0 in a file of its own.
+    """
+    body = f'pids.append(run("spawn", build_scheduler, {attention_only}))'
+    env = _clean_env(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
+    result = _run(tmp_path, body, {"attach": True, "through_vllm": True}, env)
+    if attention_only:
+        assert result["samples"] == {} and result["types"] == {}
+        assert result["dir"] is None and result["files"] == []
+        assert result["private"]  # attach() named one; no engine core made it
+        assert not list(_tmpdir(tmp_path).glob("vllm-mamba-fix-metrics-*"))
+    else:
+        assert result["samples"] == _expected({})
+        assert result["files"] == [f"{metrics.FILE_PREFIX}{result['pids'][0]}.db"]
+
+
+def _proc_start(pid: int) -> int:
+    """proc(5) field 22 of ``pid``: its start, in clock ticks since boot."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return int(text[text.rindex(")") + 2 :].split()[19])
+
+
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert not Path(f"/proc/{proc.pid}").exists()
+    return proc.pid
+
+
+def _private(tmp: Path, name: str, writers: tuple[int, ...] = (), other: str = "") -> Path:
+    path = tmp / f"vllm-mamba-fix-metrics-{name}"
+    path.mkdir(mode=0o700)
+    for pid in writers:
+        (path / f"{metrics.FILE_PREFIX}{pid}.db").write_bytes(b"\0" * 16)
+    if other:
+        (path / other).write_text("not the plugin's")
+    return path
+
+
+SWEEP_PARENT = """
+import json, os, sys
+from vllm_mamba_fix import metrics
+metrics.attach()
+metrics.attach()  # once per process
+print("RESULT " + json.dumps({"pid": os.getpid(), "private": os.environ.get(metrics.ENV_DIR)}))
+"""
+
+
+def _attach_in_a_server(tmp: Path, **extra: str) -> dict[str, Any]:
+    env = _clean_env(TMPDIR=str(tmp), **extra)
+    run = subprocess.run([sys.executable, "-c", SWEEP_PARENT], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=120)  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode == 0 and "Traceback" not in output, output
+    line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc")
+def test_attach_sweeps_only_the_directories_of_gone_servers(tmp_path: Path) -> None:
+    """Issue 27: a server killed before its atexit left its private directory behind; the
+    next server's attach() removes such directories, and nothing else."""
+    tmp = _tmpdir(tmp_path)
+    ns, dead, dead_writer = _pid_namespace(), _dead_pid(), _dead_pid()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        live_start, zombie_start = _proc_start(live.pid), _proc_start(zombie.pid)
+        zombie.kill()  # not reaped until after the sweep: a zombie
+        for _ in range(100):
+            if Path(f"/proc/{zombie.pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                break
+            time.sleep(0.05)
+        gone = {  # must be removed
+            "0.4.0 name, server gone": _private(tmp, f"{dead}-0123456789ab", (dead_writer,)),
+            "server gone": _private(tmp, f"{dead}-{live_start}-{ns}-0123456789ab", (dead,)),
+            "pid reused by another process": _private(
+                tmp, f"{live.pid}-{live_start + 1}-{ns}-0123456789ab", (dead_writer,)
+            ),
+            "server a zombie": _private(tmp, f"{zombie.pid}-{zombie_start}-{ns}-0123456789ab"),
+        }
+        shared = _private(tmp, f"{dead}-{live_start}-{ns}-000000000000", (dead,))
+        kept = {  # must stay, with everything in them
+            "server alive": _private(
+                tmp, f"{live.pid}-{live_start}-{ns}-0123456789ab", (live.pid, dead_writer)
+            ),
+            "0.4.0 name, pid alive": _private(tmp, f"{live.pid}-0123456789ab"),
+            "server gone, an engine core alive": _private(
+                tmp, f"{dead}-abcdefabcdef", (dead_writer, live.pid)
+            ),
+            "a file not the plugin's": _private(tmp, f"{dead}-111111111111", (dead,), "x.db"),
+            "another pid namespace": _private(tmp, f"{dead}-{live_start}-{ns + 1}-0123456789ab"),
+            "not the plugin's name": _private(tmp, f"{dead}-0123456789ab-old", (dead,)),
+            "PROMETHEUS_MULTIPROC_DIR": shared,
+        }
+        if os.getuid() == 0:  # root can make another user's directory
+            other = kept["another user's"] = _private(tmp, f"{dead}-222222222222", (dead,))
+            os.chown(other, 12345, 12345)
+        target = _private(tmp, f"{dead}-333333333333-target", (dead,))
+        link = tmp / f"vllm-mamba-fix-metrics-{dead}-444444444444"
+        link.symlink_to(target, target_is_directory=True)
+        before = {name: sorted(p.iterdir()) for name, p in kept.items()}
+        result = _attach_in_a_server(tmp, PROMETHEUS_MULTIPROC_DIR=str(shared))
+        assert [name for name, path in gone.items() if path.exists()] == []
+        assert {name: sorted(p.iterdir()) for name, p in kept.items() if p.exists()} == before
+        assert link.is_symlink() and sorted(target.iterdir()) == [
+            target / f"{metrics.FILE_PREFIX}{dead}.db"
+        ]
+        assert result["private"] is None  # vLLM's directory is used, as before
+        # attach() names its own directory so that a later start can tell it is alive.
+        result = _attach_in_a_server(tmp)
+        pid, start, namespace, token = Path(result["private"]).name.split("-")[4:]
+        assert (int(pid), int(namespace), len(token)) == (result["pid"], ns, 12)
+        assert int(start) >= _proc_start(os.getpid())  # it started after this test did
+    finally:
+        for proc in (live, zombie):
+            proc.kill()
+            proc.wait()
+
+
+KILLED_SERVER = """
+import multiprocessing as mp, os, sys, time
+from vllm_mamba_fix import metrics
+
+def engine_core():
+    metrics.prepare()
+    metrics.count("stalls_ended", 3)
+
+if __name__ == "__main__":
+    metrics.attach()
+    proc = mp.get_context("spawn").Process(target=engine_core)
+    proc.start()
+    proc.join(60)
+    print("DIR", os.environ[metrics.ENV_DIR], flush=True)
+    time.sleep(600)  # serving, until killed
+"""
+
+
+def test_a_killed_servers_directory_is_swept_by_the_next_start(tmp_path: Path) -> None:
+    """Real processes, vLLM's registry: a server killed with SIGKILL keeps its directory (no
+    atexit); a server that starts while it lives leaves it alone; one that starts after it
+    is gone removes it, and serves its own engine cores' counts."""
+    tmp = _tmpdir(tmp_path)
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_SERVER)
+    server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env=_clean_env(TMPDIR=str(tmp)), cwd=REPO)  # fmt: skip
+    try:
+        line = server.stdout.readline() if server.stdout else ""
+        assert line.startswith("DIR "), line
+        leftover = Path(line.split(" ", 1)[1].strip())
+        files = sorted(leftover.iterdir())
+        assert len(files) == 1 and files[0].name.startswith(metrics.FILE_PREFIX)
+        result = _run(tmp_path, CHILDREN, {"attach": True, "through_vllm": True}, _clean_env())
+        _check_children(result)  # only its own children's counts
+        assert sorted(leftover.iterdir()) == files  # the live server's directory is kept
+    finally:
+        server.kill()
+        server.wait()
+    assert sorted(leftover.iterdir()) == files  # SIGKILL: no atexit, the directory stays
+    result = _run(tmp_path, CHILDREN, {"attach": True, "through_vllm": True}, _clean_env())
+    _check_children(result)
+    assert not leftover.exists()
+    # Both later servers removed their own at exit.
+    assert not list(tmp.glob("vllm-mamba-fix-metrics-*"))
