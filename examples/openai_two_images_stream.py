@@ -16,6 +16,18 @@ PNG data URLs. Prints the streamed text, time to first token and total time. On 
 0.15-0.27.1 the request may never produce a token while ``/health`` answers 200; the client
 then gives up after ``--timeout`` seconds and says so (the server-side proof is the e2e tests'
 progress probe; see tools/engine_demo.py).
+
+It reports what the stream ended with (exit status 1 unless it finished normally):
+
+- ``[finish_reason=...]``: the choice's finish (and ``stop_reason`` when there is one);
+- ``[error] ...``: an error event (``data: {"error": ...}``) before ``[DONE]``, which the
+  ``openai`` client raises as ``APIError``. This is how a request vllm-mamba-fix ended reaches
+  a streaming client (vLLM 0.15-0.32 through the plugin's stream report, 0.33+ from vLLM);
+- ``[empty stream]``: ``[DONE]`` with no text and no finish_reason. That is not a success: on
+  vLLM 0.15-0.32 it is what a streaming client of a request ended at 0 tokens sees when
+  nothing reports the end (the plugin's stream report off, ``VLLM_MAMBA_FIX_END_STALLS_AFTER=off``
+  in the API server, or not applicable: its warning line in the server log says so). Ask again
+  without streaming to read the cause as ``stop_reason`` (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -100,7 +112,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
 
-    from openai import APITimeoutError, OpenAI
+    from openai import APIError, APITimeoutError, OpenAI
 
     if args.videos:
         urls = load_videos(args.images, args.video_size, args.video_frames)
@@ -119,6 +131,7 @@ def main() -> int:
     )
     start = time.monotonic()
     first: float | None = None
+    finish: str | None = None
     try:
         stream = client.chat.completions.create(
             model=args.model,
@@ -133,7 +146,14 @@ def main() -> int:
                     first = first or time.monotonic()
                     print(choice.delta.content, end="", flush=True)
                 if choice.finish_reason:
-                    print(f"\n[finish_reason={choice.finish_reason}]")
+                    finish = choice.finish_reason
+                    stop = getattr(choice, "stop_reason", None) or (choice.model_extra or {}).get(
+                        "stop_reason"
+                    )
+                    print(f"\n[finish_reason={finish}]" + (f" stop_reason: {stop}" if stop else ""))
+    except APIError as exc:  # an error event in the stream (before [DONE])
+        print(f"\n[error] the server ended the stream with an error: {exc.message}")
+        return 1
     except APITimeoutError:
         print(
             f"\nNo completion after {args.timeout:.0f} s; /health = {health(args.base_url)}. "
@@ -143,7 +163,14 @@ def main() -> int:
     total = time.monotonic() - start
     ttft = f"{first - start:.2f} s" if first else "n/a"
     print(f"time to first token {ttft}, total {total:.2f} s")
-    return 0
+    if finish is None and first is None:
+        print(
+            "[empty stream] [DONE] with no text and no finish_reason: not a success. The server "
+            "ended the request without telling this stream (vLLM 0.15-0.32 when vllm-mamba-fix's "
+            "stream report is not on); send it without streaming to read the cause."
+        )
+        return 1
+    return 0 if finish in ("stop", "length") else 1
 
 
 if __name__ == "__main__":

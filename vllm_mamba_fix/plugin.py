@@ -20,7 +20,16 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_mamba_fix import __version__, counters, import_hook, metrics, patch, record, rules
+from vllm_mamba_fix import (
+    __version__,
+    counters,
+    import_hook,
+    metrics,
+    patch,
+    record,
+    rules,
+    stream_end,
+)
 from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.blocks import BlockUnit, set_block_unit, unit_of_scheduler
 from vllm_mamba_fix.config import Settings, load_settings
@@ -110,6 +119,9 @@ def _register(settings: Settings) -> Any:
         return None
     # The API server: read the engine cores' counters at vLLM's own /metrics.
     metrics.attach()
+    if settings.end_stalls_after is not None:
+        # The API server: a streaming client of a request the stall end ends is told.
+        stream_end.attach()
     return lambda module: _patch_scheduler(module, settings, family, version)
 
 
@@ -360,6 +372,7 @@ def unregister() -> bool:
     with _lock:
         undone = import_hook.cancel_pending_hook()
         undone = patch.undo() or undone
+        undone = stream_end.detach() or undone
         _installed = None
         record.forget_all()
         _settled.clear()

@@ -58,6 +58,8 @@ from vllm_mamba_fix.wrappers import failure_reporter
 # Per scheduler instance: request id -> EndOrder, executed by the update wrapper.
 ORDERS_ATTR = "_vllm_mamba_fix_end_orders"
 _OUTPUT_FIELDS = ("request_id", "new_token_ids", "finish_reason", "stop_reason")
+# How the message a client reads begins (stall_watch writes it; stream_end recognises it).
+CLIENT_MESSAGE_PREFIX = "vllm-mamba-fix ended this request"
 
 
 @dataclass(frozen=True)

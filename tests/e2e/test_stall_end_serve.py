@@ -1,7 +1,10 @@
 """Issue 21 item 1 under ``vllm serve`` on the CPU: a client stuck in a stall the plugin cannot
 end has its request finished within the bound; ``/health`` stays 200; the requests queued behind
 it complete; the server serves the same images afterwards; a client that does not stream reads
-the abort with the cause and the remedy (a streaming one sees its stream end: see the test).
+the abort with the cause and the remedy. Issue 27 item 3: a streaming client reads vLLM's error
+event with the same message before ``[DONE]`` (vllm_mamba_fix/stream_end.py), and
+examples/openai_two_images_stream.py reports it; every other stream's bytes are the same as
+with the stream report off (``VLLM_MAMBA_FIX_END_STALLS_AFTER=off``).
 
 The stall is vLLM 0.27.1's own two-image hang (``VLLM_MAMBA_FIX_SPLIT_RULE=0`` leaves the split
 stock while the block-unit rule, the watchdog and the stall end run): image 1 [1, 257) held in
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -30,6 +35,8 @@ from typing import Any
 import pytest
 
 from tests.e2e.serve_helpers import image_data_url, run_server
+from tools.engine_demo import REPO
+from vllm_mamba_fix.stall_end import CLIENT_MESSAGE_PREFIX
 
 pytestmark = pytest.mark.e2e
 
@@ -45,6 +52,13 @@ ENV = {
 ENDED_LINE = re.compile(
     r"\(EngineCore pid=\d+\).*vllm-mamba-fix: ended request (\S+): 0 tokens at token (\d+)"
 )
+# The API server's line where the stream report is installed (vllm_mamba_fix/stream_end.py).
+REPORT_LINE = re.compile(
+    r"^(?!.*EngineCore).*vllm-mamba-fix: OpenAIServingChat\.chat_completion_stream_generator: "
+    r"a request the plugin ends is streamed as an error",
+    re.MULTILINE,
+)
+CREATED = re.compile(rb'"created":\d+')
 
 
 def _messages(images: tuple[int, ...], text: str) -> list[dict[str, Any]]:
@@ -70,6 +84,78 @@ def _post(base_url: str, images: tuple[int, ...], text: str) -> tuple[int, dict[
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, {"error": exc.read().decode(errors="replace")}
+
+
+def stream_bytes(base_url: str, path: str, body: dict[str, Any], request_id: str) -> bytes:
+    """The raw body of one streamed request (``stream`` set), read to its end."""
+    request = urllib.request.Request(
+        base_url + path, json.dumps({**body, "stream": True}).encode(),
+        {"Content-Type": "application/json", "X-Request-Id": request_id},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=240) as response:
+        assert response.status == 200
+        return response.read()
+
+
+def sse_data(raw: bytes) -> list[Any]:
+    """The ``data:`` payloads of a stream, decoded (``[DONE]`` kept as the string)."""
+    events: list[Any] = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+# Healthy streams, sent first to each server (cold caches), compared byte for byte; the ids
+# are fixed by X-Request-Id, so only `created` (a clock reading) is made constant.
+HEALTHY = {
+    "chat": ("/v1/chat/completions", {
+        "model": "tiny", "messages": _messages((), "Name three colours."), "max_tokens": 8,
+        "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True},
+    }),
+    "completion": ("/v1/completions", {
+        "model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.0,
+        "ignore_eos": True,
+    }),
+}  # fmt: skip
+
+
+def healthy_streams(base_url: str) -> dict[str, bytes]:
+    streams = {}
+    for name, (path, body) in HEALTHY.items():
+        raw = stream_bytes(base_url, path, body, f"healthy-{name}")
+        events = sse_data(raw)
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), raw
+        streams[name] = CREATED.sub(b'"created":0', raw)
+    return streams
+
+
+# Filled by the stall test (the stream report on), compared by the report-off test.
+RECORDED: dict[str, bytes] = {}
+
+
+class RawStream(threading.Thread):
+    """One streamed chat completion in the background, kept as the raw bytes the client read."""
+
+    def __init__(self, base_url: str, images: tuple[int, ...], text: str) -> None:
+        super().__init__(daemon=True)
+        self.base_url, self.images, self.text = base_url, images, text
+        self.started = self.finished_at = 0.0
+        self.raw = b""
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {
+            "model": "tiny", "messages": _messages(self.images, self.text), "max_tokens": 8,
+            "temperature": 0.0, "ignore_eos": True,
+        }  # fmt: skip
+        self.started = time.monotonic()
+        try:
+            self.raw = stream_bytes(self.base_url, "/v1/chat/completions", body, "stuck")
+        except BaseException as exc:
+            self.error = exc
+        self.finished_at = time.monotonic()
 
 
 class Call(threading.Thread):
@@ -106,7 +192,8 @@ class Call(threading.Thread):
 
 def test_a_stall_the_plugin_cannot_end_is_ended(tiny_model_dir: Path, tmp_path: Path) -> None:
     with run_server(tiny_model_dir, tmp_path, ENV) as server:
-        stuck = Call(server.base_url, (0, 1), "Describe both images.")
+        RECORDED.update(healthy_streams(server.base_url))
+        stuck = RawStream(server.base_url, (0, 1), "Describe both images.")
         stuck.start()
         time.sleep(3)  # it holds image 1 before the others arrive
         behind = [
@@ -127,11 +214,20 @@ def test_a_stall_the_plugin_cannot_end_is_ended(tiny_model_dir: Path, tmp_path: 
         for call in calls:
             assert call.error is None, (repr(call.error), log[-4000:])
 
-        # The streaming client's view: its stream ends, with no content, within the bound.
-        # vLLM 0.15-0.32's streaming chat skips an output without text or tokens even when it
-        # is the finish ("Chunked prefill case, don't return empty chunks"; 0.33 sends it), so
-        # the stream closes with `data: [DONE]` and no finish_reason.
-        assert not stuck.content and stuck.finish == {}, (stuck.content, stuck.finish)
+        # The streaming client's view: no content, then vLLM's error event with the cause and
+        # the remedy, then [DONE]. Stock vLLM 0.15-0.32 skips the finish of an output without
+        # text or tokens ("Chunked prefill case, don't return empty chunks") and sent only the
+        # role chunk and [DONE]; the plugin's stream report turns the end into the error event.
+        assert REPORT_LINE.search(log), log[-4000:]
+        events = sse_data(stuck.raw)
+        assert events[-1] == "[DONE]", stuck.raw
+        error = events[-2].get("error")
+        assert error and error["code"] == 500, stuck.raw
+        assert error["message"].startswith(CLIENT_MESSAGE_PREFIX), error
+        assert "could not get past prompt token 256 of" in error["message"], error
+        assert "remedy: turn the split rule on" in error["message"], error
+        assert all(not c["delta"].get("content") and c["finish_reason"] is None
+                   for e in events[:-2] for c in e["choices"]), stuck.raw  # fmt: skip
         # Within the bound of the stall's start (its first 0 comes with its second chunk,
         # within a few seconds of being sent).
         took = stuck.finished_at - stuck.started
@@ -168,4 +264,38 @@ def test_a_stall_the_plugin_cannot_end_is_ended(tiny_model_dir: Path, tmp_path: 
         assert "block-aligned split floors the chunk" in reason
         assert "remedy: turn the split rule on (unset VLLM_MAMBA_FIX_SPLIT_RULE)" in reason
         assert len(ENDED_LINE.findall(server.log_text())) == 2
+
+        # The example client, with its own two images, reports the error event it read.
+        example = subprocess.run(
+            [sys.executable, str(REPO / "examples" / "openai_two_images_stream.py"),
+             "--model", "tiny", "--base-url", server.base_url, "--max-tokens", "8"],
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert example.returncode == 1, (example.stdout, example.stderr[-3000:])
+        assert "[error] the server ended the stream with an error: " in example.stdout
+        assert CLIENT_MESSAGE_PREFIX in example.stdout, example.stdout
+        assert len(ENDED_LINE.findall(server.log_text())) == 3
         assert server.health() == 200
+
+
+def test_the_stream_report_changes_no_other_stream(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The same healthy streams, byte for byte, with the stream report off.
+
+    ``VLLM_MAMBA_FIX_END_STALLS_AFTER=off`` leaves vLLM's stream generators stock (no end, no
+    report); everything else is the stall test's environment.
+    """
+    if not RECORDED:  # run alone: record with the report on first
+        (tmp_path / "on").mkdir()
+        with run_server(tiny_model_dir, tmp_path / "on", ENV) as server:
+            assert REPORT_LINE.search(server.log_text())
+            RECORDED.update(healthy_streams(server.base_url))
+    off = {**ENV, "VLLM_MAMBA_FIX_END_STALLS_AFTER": "off"}
+    (tmp_path / "off").mkdir()
+    with run_server(tiny_model_dir, tmp_path / "off", off) as server:
+        stock = healthy_streams(server.base_url)
+        log = server.log_text()
+    assert not REPORT_LINE.search(log) and "stream_generator" not in log
+    assert stock.keys() == RECORDED.keys()
+    for name in stock:
+        assert RECORDED[name] == stock[name], (name, RECORDED[name], stock[name])
+        assert len(sse_data(stock[name])) >= 9  # 8 tokens streamed, then [DONE]

@@ -1,0 +1,371 @@
+"""A streaming client learns that the plugin ended its request (vLLM 0.15-0.32's API server).
+
+The stall end (:mod:`vllm_mamba_fix.stall_end`) finishes a request with ``FinishReason.ABORT``
+and its cause as ``stop_reason``. A client that does not stream reads both. A streaming one,
+on 0.15-0.32, does not. There, the chat and completions stream generators skip any output with
+no text, no tokens and no earlier tokens before they look at ``finish_reason`` ("Chunked
+prefill case, don't return empty chunks"). A request ended at 0 tokens gets the role chunk,
+then ``[DONE]``: an empty answer that looks like a success.
+
+No engine-side output gets past that skip. The skip reads only the text and the token ids, and
+text needs a token. So this module wraps the two generators in the API-server process, and the
+wrap only touches their ``result_generator`` argument. Each item passes through unchanged (the
+same object). If a choice finished ``abort`` with the plugin's message and no token was ever
+streamed for it, then at the end of the results it raises the release's own
+``GenerationError(message)``. That exception is the one vLLM raises for ``finish_reason ==
+"error"``, and the generator's own ``except GenerationError`` turns it into vLLM's stream
+error event (``data: {"error": {...}}``), then ``[DONE]``. 0.33 sends a ``RequestError`` the
+same way.
+
+Decided by the code, never raising into vLLM:
+
+- not needed where ``EngineCoreOutput`` carries ``error`` (0.33+: the end sends a
+  ``RequestError``, which vLLM streams itself);
+- applied only where the generator's source shows the skip that ignores ``finish_reason``
+  (:func:`read_shape`), the ``async for`` over ``result_generator`` and an ``except
+  GenerationError`` that yields;
+- otherwise one warning line, and the generator stays stock.
+
+:func:`attach` is idempotent; :func:`detach` restores vLLM's methods and removes the hooks.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import importlib.util
+import inspect
+import logging
+import os
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from vllm_mamba_fix._log import logger
+from vllm_mamba_fix.import_hook import PostImportHook
+from vllm_mamba_fix.stall_end import CLIENT_MESSAGE_PREFIX
+from vllm_mamba_fix.targets import MARKER
+
+RESULTS_PARAMETER = "result_generator"
+ERROR_CLASS = "GenerationError"
+
+
+@dataclass(frozen=True)
+class Target:
+    module: str
+    cls: str
+    method: str
+
+
+TARGETS = (
+    Target("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat",
+           "chat_completion_stream_generator"),
+    Target("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion",
+           "completion_stream_generator"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a stream generator's source shows. ``applies``: the skip drops the finish."""
+
+    applies: bool
+    reason: str  # why not, or what was found
+    pairs: bool = False  # the results are (prompt index, RequestOutput) pairs
+
+
+# -- the code's shape -------------------------------------------------------------------------
+
+
+def _names(node: ast.AST) -> set[str]:
+    found: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            found.add(sub.id)
+        elif isinstance(sub, ast.Attribute):
+            found.add(sub.attr)
+    return found
+
+
+def _is_empty_skip(node: ast.AST) -> bool:
+    """``if not <text> and not <token ids> and ...: continue``."""
+    if not (isinstance(node, ast.If) and len(node.body) == 1):
+        return False
+    test = node.test
+    if not (isinstance(node.body[0], ast.Continue) and isinstance(test, ast.BoolOp)):
+        return False
+    negated = [
+        _terminal(v.operand) for v in test.values
+        if isinstance(v, ast.UnaryOp) and isinstance(v.op, ast.Not)
+    ]  # fmt: skip
+    return (
+        isinstance(test.op, ast.And)
+        and any(name.endswith("text") for name in negated)
+        and any(name.endswith("token_ids") for name in negated)
+    )
+
+
+def _terminal(node: ast.AST) -> str:
+    """``delta_text`` of ``delta_text``, ``token_ids`` of ``output.token_ids``, else ''."""
+    if isinstance(node, ast.Name):
+        return node.id
+    return node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def _yields_on_error(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Try):
+        return False
+    for handler in node.handlers:
+        kind = handler.type
+        if isinstance(kind, ast.Name) and kind.id == ERROR_CLASS:
+            return any(isinstance(sub, ast.Yield) for b in handler.body for sub in ast.walk(b))
+    return False
+
+
+def read_shape(source: str) -> Shape:
+    """The shape of one stream generator's source. A pure function; never raises."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except (SyntaxError, ValueError):
+        return Shape(False, "its source does not parse")
+    function = next((n for n in tree.body if isinstance(n, ast.AsyncFunctionDef)), None)
+    if function is None:
+        return Shape(False, "it is not an async function")
+    loops = [
+        n for n in ast.walk(function)
+        if isinstance(n, ast.AsyncFor) and isinstance(n.iter, ast.Name)
+        and n.iter.id == RESULTS_PARAMETER
+    ]  # fmt: skip
+    if len(loops) != 1:
+        return Shape(False, f"it has no single `async for` over {RESULTS_PARAMETER}")
+    pairs = isinstance(loops[0].target, ast.Tuple) and len(loops[0].target.elts) == 2
+    skips = [n for n in ast.walk(loops[0]) if _is_empty_skip(n)]
+    if not skips:
+        return Shape(False, "no skip of empty outputs was found")
+    if any("finish_reason" in _names(skip.test) for skip in skips):  # type: ignore[attr-defined]
+        return Shape(False, "its skip keeps a finishing output (vLLM sends the finish)")
+    if not any(_yields_on_error(n) for n in ast.walk(function)):
+        return Shape(False, f"it has no `except {ERROR_CLASS}` that yields an error event")
+    return Shape(True, "its skip drops a finish with no tokens", pairs)
+
+
+def _engine_sends_errors() -> bool:
+    """0.33+: the stall end sends a RequestError, which vLLM's stream reports itself."""
+    from vllm.v1.engine import EngineCoreOutput
+
+    return "error" in getattr(EngineCoreOutput, "__struct_fields__", ())
+
+
+# -- the watch over one stream's results ------------------------------------------------------
+
+
+def ended_message(output: Any) -> str | None:
+    """The plugin's message if ``output`` is its end of a choice with no tokens, else None."""
+    reason = getattr(output, "stop_reason", None)
+    if (
+        getattr(output, "finish_reason", None) == "abort"
+        and isinstance(reason, str)
+        and reason.startswith(CLIENT_MESSAGE_PREFIX)
+        and not getattr(output, "token_ids", None)
+        and not getattr(output, "text", None)
+    ):
+        return reason
+    return None
+
+
+class Watch:
+    """``result_generator``, item for item; at its end, the error for a choice the plugin ended.
+
+    Only the choices that never streamed a token are reported: vLLM sends the finish of
+    the others itself. Attributes other than the iteration (``aclose``...) are the source's.
+    """
+
+    def __init__(self, source: Any, pairs: bool, error_cls: type[Exception]) -> None:
+        self._source = source
+        self._pairs = pairs
+        self._error_cls = error_cls
+        self._streamed: set[tuple[Any, Any]] = set()
+        self._ended: str | None = None
+
+    def __aiter__(self) -> Watch:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            item = await self._source.__anext__()
+        except StopAsyncIteration:
+            message, self._ended = self._ended, None
+            if message is None:
+                raise
+            raise self._error_cls(message) from None
+        with contextlib.suppress(Exception):  # an item of a shape not seen: passed on unread
+            self._look(item)
+        return item
+
+    def _look(self, item: Any) -> None:
+        prompt, result = item if self._pairs else (None, item)
+        for output in result.outputs:
+            key = (prompt, output.index)
+            if output.token_ids or output.text:
+                self._streamed.add(key)
+            elif self._ended is None and key not in self._streamed:
+                self._ended = ended_message(output)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)
+
+
+def _wrap(original: Callable[..., Any], shape: Shape, error_cls: type[Exception]) -> Any:
+    parameters = list(inspect.signature(original).parameters)
+    position = parameters.index(RESULTS_PARAMETER)  # counts self: args here exclude it
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if RESULTS_PARAMETER in kwargs:
+                kwargs[RESULTS_PARAMETER] = _watched(kwargs[RESULTS_PARAMETER])
+            elif len(args) >= position:
+                i = position - 1
+                args = (*args[:i], _watched(args[i]), *args[i + 1 :])
+        except Exception:  # the plugin never breaks a stream: vLLM's own arguments stand
+            pass
+        return original(self, *args, **kwargs)
+
+    def _watched(source: Any) -> Any:
+        if not callable(getattr(source, "__anext__", None)):
+            return source
+        return Watch(source, shape.pairs, error_cls)
+
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, MARKER, shape)
+    return wrapper
+
+
+# -- install and undo -------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_originals: dict[tuple[type, str], Any] = {}
+_hooks: list[PostImportHook] = []
+_said: set[str] = set()
+
+
+def _say_once(level: int, message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.log(level, "vllm-mamba-fix: %s", message)
+
+
+def _decide(module: ModuleType, target: Target) -> tuple[type, Any, Shape, Any] | str | None:
+    """(class, method, shape, error class) to wrap; a problem line; or None (not needed)."""
+    cls = getattr(module, target.cls, None)
+    method = getattr(cls, target.method, None) if isinstance(cls, type) else None
+    name = f"{target.cls}.{target.method}"
+    if method is None or not inspect.isasyncgenfunction(method):
+        return f"{name} is missing or not an async generator"
+    if hasattr(method, MARKER):
+        return None  # already wrapped
+    try:
+        source = inspect.getsource(method)
+    except (OSError, TypeError):
+        return f"{name}'s source cannot be read"
+    shape = read_shape(source)
+    if not shape.applies:
+        # 0.33's shape needs nothing; anything else unseen is said.
+        return None if "keeps a finishing output" in shape.reason else f"{name}: {shape.reason}"
+    error_cls = getattr(module, ERROR_CLASS, None)
+    if not (isinstance(error_cls, type) and issubclass(error_cls, Exception)):
+        return f"{target.module} has no {ERROR_CLASS} class"
+    if RESULTS_PARAMETER not in inspect.signature(method).parameters:
+        return f"{name} has no {RESULTS_PARAMETER} parameter"
+    return cls, method, shape, error_cls
+
+
+def _install(module: ModuleType, target: Target) -> None:
+    """Wrap one generator of a freshly imported module. Never raises."""
+    name = f"{target.cls}.{target.method}"
+    try:
+        with _lock:
+            if _engine_sends_errors():
+                return
+            decided = _decide(module, target)
+            if decided is None:
+                return
+            if isinstance(decided, str):
+                _say_once(
+                    logging.WARNING,
+                    f"a streaming client of a request the plugin ends sees its stream close "
+                    f"with no finish_reason ({decided}); non-streaming clients read the cause",
+                )
+                return
+            cls, method, shape, error_cls = decided
+            setattr(cls, target.method, _wrap(method, shape, error_cls))
+            _originals[(cls, target.method)] = method
+        _say_once(logging.INFO, f"{name}: a request the plugin ends is streamed as an error")
+    except Exception as exc:
+        _say_once(logging.WARNING, f"{name} left stock ({type(exc).__name__}: {exc})")
+
+
+def attach() -> None:
+    """Wrap the stream generators now, or when their modules are imported. Never raises."""
+    try:
+        for target in TARGETS:
+            module = sys.modules.get(target.module)
+            if module is not None and not _initialising(module):
+                _install(module, target)
+                continue
+            if not _has_source(target.module):
+                continue  # this vLLM has no such server module: nothing to wait for
+            with _lock:
+                if any(hook.module_name == target.module for hook in _hooks):
+                    continue
+                hook = PostImportHook(target.module, functools.partial(_on_import, target))
+                _hooks.append(hook)
+                hook.install()
+    except Exception as exc:
+        _say_once(logging.WARNING, f"streams left stock ({type(exc).__name__}: {exc})")
+
+
+def _has_source(name: str) -> bool:
+    """Whether the installed vLLM has module ``name``, read from its files (imports nothing)."""
+    vllm = sys.modules.get("vllm")
+    spec = None if vllm is not None else importlib.util.find_spec("vllm")  # a top-level find
+    roots = getattr(vllm, "__path__", None) or getattr(spec, "submodule_search_locations", None)
+    relative = name.split(".")[1:]
+    return any(os.path.isfile(os.path.join(root, *relative) + ".py") for root in roots or ())
+
+
+def _initialising(module: ModuleType) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def _on_import(target: Target, module: ModuleType) -> None:
+    with _lock:
+        for hook in [h for h in _hooks if h.module_name == target.module]:
+            hook.remove()
+            _hooks.remove(hook)
+    _install(module, target)
+
+
+def detach() -> bool:
+    """Restore vLLM's generators and drop the pending hooks. Returns whether anything was undone."""
+    with _lock:
+        undone = bool(_originals or _hooks)
+        for hook in _hooks:
+            hook.remove()
+        _hooks.clear()
+        for (cls, name), original in _originals.items():
+            if hasattr(cls.__dict__.get(name), MARKER):
+                setattr(cls, name, original)
+        _originals.clear()
+        _said.clear()
+    return undone
+
+
+def installed() -> list[str]:
+    """``Class.method`` of each generator wrapped in this process (doctor, tests)."""
+    with _lock:
+        return sorted(f"{cls.__qualname__}.{name}" for cls, name in _originals)
