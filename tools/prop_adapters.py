@@ -58,6 +58,8 @@ class PropRequest(MultimodalPlaceholders):
     after: str | None = None
     max_tokens: int = 1
     videos: tuple[VideoSpec, ...] = ()
+    # Request.priority (lower runs first) under scheduling_policy="priority".
+    priority: int = 0
 
     @property
     def key(self) -> str:
@@ -131,6 +133,7 @@ def make_request(built: Any, req: PropRequest) -> Any:
         eos_token_id=None,
         mm_features=harness._mm_features(spec),  # identifiers "<key>-image<j>", "<key>-video<j>"
         block_hasher=built.block_hasher,
+        priority=req.priority,
     )
 
 

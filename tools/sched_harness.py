@@ -211,6 +211,13 @@ class HarnessConfig:
     # (`engine_core_block_size`) before the scheduler is built, instead of keeping the
     # Mamba-aligned block the config was built with.
     block_size_from_groups: bool = False
+    # EngineArgs.scheduling_policy ("fcfs" or "priority"; the differential suite, issue 27).
+    scheduling_policy: str = "fcfs"
+    # 0.33+: prefix-cache keys every this many tokens (fine-grained hits below the block),
+    # and Mamba specs whose backend saves prefill checkpoints inside a chunk on this grid
+    # (`num_prefill_checkpoint_blocks=1`); None: off. Dropped where a release lacks them.
+    prefix_match_unit: int | None = None
+    prefill_checkpoint_alignment: int | None = None
 
     @property
     def mode_name(self) -> str:
@@ -405,6 +412,8 @@ def _engine_config(cfg: HarnessConfig, architecture: str, block_size: int | None
         # The scheduler never reads the limits (videos run too); the front end does.
         limit_mm_per_prompt={"image": 4, "video": 0},
         block_size=block_size,
+        scheduling_policy=cfg.scheduling_policy,
+        prefix_match_unit=cfg.prefix_match_unit,
         **extra,
     )
     try:
@@ -628,6 +637,20 @@ def _kv_cache_specs(vllm_config: Any, model_cls: type) -> dict[str, Any]:
     return specs
 
 
+def _with_prefill_checkpoints(specs: dict[str, Any], alignment: int) -> dict[str, Any]:
+    """0.33+: the Mamba specs as a GDN backend that saves prefill checkpoints inside a chunk
+    reports them (`qwen_gdn_linear_attn.get_kv_cache_spec`); unchanged before 0.33."""
+    out = {}
+    for name, spec in specs.items():
+        fields = {f.name for f in dataclasses.fields(spec)}
+        if type(spec).__name__ == "MambaSpec" and "num_prefill_checkpoint_blocks" in fields:
+            spec = dataclasses.replace(
+                spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=alignment
+            )
+        out[name] = spec
+    return out
+
+
 DRAFTER_LAYERS = 2  # a DFlash-like drafter's attention layers where MTP brings none
 
 
@@ -840,6 +863,8 @@ def build_scheduler(cfg: HarnessConfig) -> Built:
     assert cache_config.enable_prefix_caching
 
     specs = _kv_cache_specs(vllm_config, _model_cls(vllm_config))
+    if cfg.prefill_checkpoint_alignment:
+        specs = _with_prefill_checkpoints(specs, cfg.prefill_checkpoint_alignment)
     if cfg.attention_only:
         specs = {
             name: spec

@@ -31,6 +31,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 
+from tests.properties import _differential
+from tests.properties._differential import Workload, check
 from tests.properties._support import (
     FAMILY,
     NAMED_IMAGE_GAPS,
@@ -164,3 +166,111 @@ def test_invariant_2_fails_without_realign() -> None:
         fixed = pa.drive(SMALL_TWO_IMAGES, max_steps=40)
     check_aligned(SMALL_TWO_IMAGES, fixed)
     assert any(action == "realigned" for _, _, action in fixed.corrections)
+
+
+# --------------------------------------------------------------------------
+# Issue 27: counterexamples of the differential suite (tests/properties/test_differential.py),
+# each a named workload held to stock of the same release by `_differential.check` in every
+# harness mode. Not xfail: each fails until its harm is fixed.
+
+# Issue 27 harm 1 (0.28-0.32): a two-image request waits for budget behind a long text
+# prefill (block 256, budget 1000: the prefill takes 768, the 232 left floor to 0); its next
+# block holds two images that never fit the 200-token encoder cache together.
+BUDGET_WAIT_BEHIND_PREFILL = Workload(
+    PropScenario(
+        block_size=256, budget=1000, encoder_cache=200, threshold=0,
+        requests=(
+            PropRequest("long-text", 24_000, content="long-text"),
+            PropRequest("two-images", 700, ((50, 150), (220, 150)), content="two-images"),
+        ),
+    )
+)  # fmt: skip
+
+
+def _between_sizes(budget: int, threshold: int, after: bool) -> Workload:
+    """Issue 27 harm 2 (0.15-0.25): cache block 256, cache_config.block_size 128, the cap
+    between the two; a 600-token text prompt, a short text and a one-image request behind."""
+    return Workload(
+        PropScenario(
+            block_size=256, budget=budget, encoder_cache=100, threshold=threshold,
+            requests=(
+                PropRequest("text-600", 600, content="text-600"),
+                PropRequest("text-short", 100, content="text-short"),
+                PropRequest("one-image", 400, ((100, 100),), content="one-image"),
+            ),
+            configured_block_size=128, configured_after_build=after,
+        )
+    )  # fmt: skip
+
+
+# Issue 27 harm 4 (0.33+): a fine-grained prefix hit (prefix_match_unit 16, block 64) at 688,
+# mid-block; stock gives the 850-token prompt one chunk [688, 850), the backend checkpoints
+# inside it. On older releases the same requests hit at a block boundary.
+FINE_GRAINED_HIT = Workload(
+    PropScenario(
+        block_size=64, budget=2048, encoder_cache=256, threshold=0,
+        requests=(
+            PropRequest("original", 700, content="shared"),
+            PropRequest("longer", 850, content="shared", after="original"),
+        ),
+    ),
+    prefix_match_unit=16,
+    checkpoint_alignment=16,
+)  # fmt: skip
+
+diff_mode = _differential.diff_mode  # the fixture: every harness mode
+
+
+def test_budget_wait_behind_a_long_prefill_is_not_ended(diff_mode: Mode) -> None:
+    check(BUDGET_WAIT_BEHIND_PREFILL, diff_mode)
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["set-before", "set-after"])
+def test_budget_between_the_block_sizes_is_not_floored(diff_mode: Mode, after: bool) -> None:
+    check(_between_sizes(192, 0, after), diff_mode)
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["set-before", "set-after"])
+def test_threshold_between_the_block_sizes_is_not_floored(diff_mode: Mode, after: bool) -> None:
+    check(_between_sizes(2048, 192, after), diff_mode)
+
+
+def test_fine_grained_hit_keeps_stocks_checkpointed_chunk(diff_mode: Mode) -> None:
+    check(FINE_GRAINED_HIT, diff_mode)
+
+
+# Found by test_starved_behind_long_prefills on 0.25.1 (block 1248, budget 1337, a 13,936-token
+# text ahead): the long prefill takes whole blocks and leaves a sub-block remainder each step;
+# stock floors the image request's chunk to 0 until the prefill is done, a wait that clears.
+# Minimised: block 256, budget 300 (44 left per step), a 3,000-token prefill ahead.
+BUDGET_WAIT_SUB_BLOCK_REMAINDER = Workload(
+    PropScenario(
+        block_size=256, budget=300, encoder_cache=200, threshold=0,
+        requests=(
+            PropRequest("long-text", 3000, content="long-text"),
+            PropRequest("image", 700, ((50, 200),), content="image", arrival=1),
+        ),
+    )
+)  # fmt: skip
+
+# Found by test_two_block_sizes on 0.25.1 and 0.27.1 (cache block 2048, cache_config.block_size
+# 512, budget 778): stock's 512-token chunks never cross a 2048 boundary. Minimised: cache
+# block 1024, configured 256, budget 600, one 2,500-token text prompt and an image request.
+TWO_SIZES_STOCK_RIGHT = Workload(
+    PropScenario(
+        block_size=1024, budget=600, encoder_cache=300, threshold=0,
+        requests=(
+            PropRequest("text", 2500, content="text"),
+            PropRequest("image", 1500, ((100, 300),), content="image"),
+        ),
+        configured_block_size=256,
+    )
+)  # fmt: skip
+
+
+def test_budget_wait_keeps_stocks_chunks(diff_mode: Mode) -> None:
+    check(BUDGET_WAIT_SUB_BLOCK_REMAINDER, diff_mode)
+
+
+def test_two_sizes_keep_stocks_chunks_where_they_cross_no_cache_boundary(diff_mode: Mode) -> None:
+    check(TWO_SIZES_STOCK_RIGHT, diff_mode)

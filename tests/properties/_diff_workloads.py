@@ -1,0 +1,229 @@
+"""Workloads of the differential suite (issue 27 item 2), as hypothesis strategies.
+
+What the generator must reach, and where each comes from:
+- budget starvation behind long prefills: `starved` puts 1-2 long text prefills ahead of
+  the multimodal requests, the budget a block multiple plus a sub-block remainder;
+- budgets that are not a multiple of the block: `budgets` draws k * block + r, r in 1..B-1;
+- budgets and long_prefill_token_threshold between the configured and the cache's block:
+  `two_sizes` draws cache_config.block_size a half or a quarter of the cache's block, set
+  before or after the scheduler is built, and the cap in (configured, cache];
+- encoder-cache pressure, images and videos at every gap: `_support.request_bodies`
+  (gaps 0, 1, 2 named, videos with and without is_embed), caches from the largest input up;
+- preemption, aborts, churn, priority scheduling: `perturbed`;
+- fine-grained prefix hits with internal checkpoints (0.33+): `fine_grained` (a longer
+  request with the same tokens after its original finished; prefix_match_unit below the
+  block, Mamba specs with a checkpoint block); on older releases the same layout is a
+  block-granular hit;
+- MTP and async: every test runs in every harness mode (`_differential.modes`).
+
+Kept out, with the reason: layouts that hang stock outside the plugin's reach on this
+release in this mode (images closer than `min_image_gap_for` under MTP on 0.19-0.23 and
+0.33; budgets below the block vLLM validated against on the chunk-length families, where
+text hangs on stock by design), and inputs larger than the encoder cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import strategies as st
+
+from tests.properties._differential import Workload, has_internal_checkpoints
+from tests.properties._support import (
+    SUB_BLOCK_CAP_HANGS_TEXT,
+    encoder_cost,
+    min_image_gap_for,
+    request_bodies,
+)
+from tools.prop_adapters import PropRequest, PropScenario
+from tools.sched_harness import Mode, vllm_version
+
+BLOCKS = (64, 128, 256, 512, 1056)
+
+
+@st.composite
+def blocks(draw: st.DrawFn) -> int:
+    """The cache's block: the sizes deployments report, or any multiple of 16 up to 2096."""
+    return draw(st.one_of(st.sampled_from(BLOCKS), st.integers(2, 131).map(lambda k: 16 * k)))
+
+
+@st.composite
+def budgets(draw: st.DrawFn, block: int, floor: int) -> int:
+    """A token budget: k blocks and a sub-block remainder, or any size, at least `floor`."""
+    remainder = draw(st.integers(1, max(1, block - 1)))
+    budget = draw(
+        st.one_of(
+            st.integers(1, 4).map(lambda k: k * block + remainder),
+            st.integers(128, 4096),
+            st.just(block + remainder),
+        )
+    )
+    return max(budget, floor, 128)
+
+
+def _cache(draw: st.DrawFn, requests: list[PropRequest]) -> int:
+    sizes = sorted(
+        [n for r in requests for _, n in r.images] + [encoder_cost(v) for r in requests
+                                                      for v in r.videos],
+        reverse=True,
+    )  # fmt: skip
+    if not sizes:
+        return draw(st.integers(256, 8192))
+    # One input (tight: two never fit together) up to all of them.
+    return draw(st.one_of(st.just(sizes[0]), st.integers(sizes[0], max(sizes[0], sum(sizes)))))
+
+
+@st.composite
+def mm_requests(
+    draw: st.DrawFn, block: int, budget: int, gap: int, prefix: str, n_max: int = 3
+) -> list[PropRequest]:
+    """1..n_max requests with 0-4 images or videos at every gap, or text."""
+    out = []
+    for i in range(draw(st.integers(1, n_max))):
+        with_mm = draw(st.booleans()) or i == 0
+        prompt, images, videos = draw(
+            request_bodies(block, budget, with_mm, min_image_gap=gap, videos=draw(st.booleans()))
+        )
+        out.append(
+            PropRequest(
+                f"{prefix}{i}", prompt, images, content=f"{prefix}{i}",
+                arrival=draw(st.integers(0, 4)), max_tokens=draw(st.integers(1, 3)),
+                videos=videos,
+            )
+        )  # fmt: skip
+    return out
+
+
+def _scenario(
+    draw: st.DrawFn, block: int, budget: int, threshold: int, requests: list[PropRequest],
+    configured: int | None = None, after: bool = False,
+) -> PropScenario:  # fmt: skip
+    return PropScenario(
+        block, budget, _cache(draw, requests), threshold, tuple(requests), configured, after
+    )
+
+
+def _floor(block: int) -> int:
+    """The smallest cap vLLM accepts on families whose split floors every sub-block chunk
+    to 0 (their config check rejects a smaller one): one block; else none."""
+    return block if SUB_BLOCK_CAP_HANGS_TEXT else 0
+
+
+@st.composite
+def clustered(draw: st.DrawFn, block: int, gap: int) -> PropRequest:
+    """Two or three small images inside one block, at every gap from `gap` up: with a cache
+    for one of them they never fit together, whatever the budget (the window the stall end's
+    proof reads; issue 27 harm 1)."""
+    pos = draw(st.integers(0, max(0, block // 4)))
+    images = []
+    for _ in range(draw(st.integers(2, 3))):
+        size = draw(st.integers(16, max(16, block // 4)))
+        images.append((pos, size))
+        pos += size + draw(st.one_of(st.sampled_from([g for g in (0, 1, 2) if g >= gap] or [gap]),
+                                     st.integers(gap, gap + 32)))  # fmt: skip
+    prompt = pos + draw(st.integers(1, 2 * block))
+    return PropRequest("clustered", prompt, tuple(images), content="clustered",
+                       arrival=draw(st.integers(0, 3)))  # fmt: skip
+
+
+@st.composite
+def starved(draw: st.DrawFn, mode: Mode) -> Workload:
+    """Long text prefills ahead of image and video requests: the budget left in a step after
+    the prefill's whole blocks is below one block, step after step."""
+    block = draw(blocks())
+    budget = draw(budgets(block, _floor(block)))
+    gap = min_image_gap_for(mode, vllm_version())
+    ahead = [
+        PropRequest(f"long{i}", draw(st.integers(3 * budget, 12 * budget)), content=f"long{i}",
+                    arrival=draw(st.integers(0, 1)))
+        for i in range(draw(st.integers(1, 2)))
+    ]  # fmt: skip
+    behind = draw(mm_requests(block, budget, gap, "mm"))
+    if draw(st.booleans()):
+        behind.insert(0, draw(clustered(block, gap)))
+    threshold = draw(st.one_of(st.just(0), st.integers(max(64, _floor(block)), budget)))
+    return Workload(_scenario(draw, block, budget, threshold, ahead + behind))
+
+
+@st.composite
+def two_sizes(draw: st.DrawFn, mode: Mode) -> Workload:
+    """cache_config.block_size below the cache's block (vLLM #54076), set before or after
+    the scheduler is built; budget and threshold often between the two."""
+    block = draw(st.sampled_from([128, 256, 512, 1056, 2048])) if draw(st.booleans()) else (
+        draw(st.integers(4, 131).map(lambda k: 16 * k)))  # fmt: skip
+    configured = block // draw(st.sampled_from([2, 4]))
+    floor = _floor(configured)  # vLLM validated against the configured block
+    between = st.integers(max(configured + 1, floor, 128), max(block, floor, 128))
+    budget = draw(st.one_of(between, budgets(block, floor)))
+    threshold = draw(st.one_of(st.just(0), between, st.integers(max(64, floor), budget)))
+    threshold = min(threshold, budget) if threshold else 0
+    gap = min_image_gap_for(mode, vllm_version())
+    requests = []
+    if draw(st.booleans()):  # a long text prompt first, as #54076's report
+        requests.append(PropRequest("text0", draw(st.integers(block + 1, 6 * block)),
+                                    content="text0"))  # fmt: skip
+    requests += draw(mm_requests(block, budget, gap, "r"))
+    return Workload(
+        _scenario(draw, block, budget, threshold, requests, configured, draw(st.booleans()))
+    )
+
+
+@st.composite
+def perturbed(draw: st.DrawFn, mode: Mode) -> Workload:
+    """Preemption (a KV pool of about one request), aborts of text requests at drawn steps,
+    churn (text arriving mid-run), the priority policy, a saturated encoder budget."""
+    block = draw(blocks())
+    budget = draw(budgets(block, _floor(block)))
+    gap = min_image_gap_for(mode, vllm_version())
+    requests = draw(mm_requests(block, budget, gap, "r", n_max=4))
+    requests += [
+        PropRequest(f"churn{i}", draw(st.integers(16, 3000)), content=f"churn{i}",
+                    arrival=draw(st.integers(0, 8)), max_tokens=draw(st.integers(1, 4)))
+        for i in range(draw(st.integers(0, 3)))
+    ]  # fmt: skip
+    priority = draw(st.booleans())
+    if priority:
+        requests = [dataclasses.replace(r, priority=draw(st.integers(-1, 1))) for r in requests]
+    texts = [r.request_id for r in requests if not r.has_mm]
+    aborts = draw(
+        st.lists(st.tuples(st.integers(1, 12), st.sampled_from(texts)), max_size=2)
+        if texts
+        else st.just([])
+    )
+    threshold = draw(st.one_of(st.just(0), st.integers(max(64, _floor(block)), budget)))
+    return Workload(
+        _scenario(draw, block, budget, threshold, requests),
+        preempt=draw(st.booleans()),
+        aborts=tuple(sorted(aborts)),
+        priority=priority,
+        saturated_encoder=draw(st.booleans()),
+    )
+
+
+@st.composite
+def fine_grained(draw: st.DrawFn, mode: Mode) -> Workload:
+    """A request, then after it finished a longer one with the same tokens (and images):
+    its prefix hit lands mid-block on prefix_match_unit where 0.33+ has fine-grained hits,
+    and its next chunk starts there. Internal checkpoints on or off."""
+    block = draw(st.sampled_from([64, 128, 256, 512]))
+    unit = block // draw(st.sampled_from([2, 4]))
+    budget = draw(budgets(block, _floor(block)))
+    gap = min_image_gap_for(mode, vllm_version())
+    first = draw(mm_requests(block, budget, gap, "r", n_max=2))
+    original = first[0]
+    longer = dataclasses.replace(
+        original, request_id="longer", prompt_len=original.prompt_len + draw(
+            st.integers(1, 3 * block)), after=original.request_id, arrival=0,
+    )  # fmt: skip
+    requests = [*first, longer]
+    if draw(st.booleans()):  # the same prompt again too: an exact repeat
+        requests.append(dataclasses.replace(original, request_id="again", after="longer"))
+    threshold = draw(st.one_of(st.just(0), st.integers(max(64, _floor(block)), budget)))
+    fine = has_internal_checkpoints()  # prefix_match_unit exists from 0.33
+    alignment = draw(st.sampled_from([unit, 64 if unit % 64 == 0 else unit]))
+    checkpoints = fine and draw(st.booleans())
+    return Workload(
+        _scenario(draw, block, budget, threshold, requests),
+        prefix_match_unit=unit if fine else None,
+        checkpoint_alignment=alignment if checkpoints else None,
+    )
