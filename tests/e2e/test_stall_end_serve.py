@@ -131,6 +131,13 @@ def healthy_streams(base_url: str) -> dict[str, bytes]:
     return streams
 
 
+def _diff(on: bytes, off: bytes) -> str:
+    import difflib
+
+    lines = [[json.dumps(e) for e in sse_data(raw)] for raw in (on, off)]
+    return "\n".join(difflib.unified_diff(*lines, "report on", "report off", lineterm=""))
+
+
 # Filled by the stall test (the stream report on), compared by the report-off test.
 RECORDED: dict[str, bytes] = {}
 
@@ -297,5 +304,5 @@ def test_the_stream_report_changes_no_other_stream(tiny_model_dir: Path, tmp_pat
     assert not REPORT_LINE.search(log) and "stream_generator" not in log
     assert stock.keys() == RECORDED.keys()
     for name in stock:
-        assert RECORDED[name] == stock[name], (name, RECORDED[name], stock[name])
+        assert RECORDED[name] == stock[name], (name, _diff(RECORDED[name], stock[name]))
         assert len(sse_data(stock[name])) >= 9  # 8 tokens streamed, then [DONE]

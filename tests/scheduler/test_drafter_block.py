@@ -47,7 +47,7 @@ LATER = (
 TEXT = tuple(spec for spec in LATER if not spec.has_mm)
 
 
-def _engine_core_source() -> str:
+def engine_core_source() -> str:
     """``EngineCore._initialize_kv_caches`` of the imported release, read without importing
     the engine core (it needs the compiled ops)."""
     spec = importlib.util.find_spec("vllm.v1.engine.core")
@@ -61,7 +61,7 @@ def _engine_core_source() -> str:
 
 @pytest.fixture(autouse=True)
 def _min_over_prefix_cacheable_groups() -> None:
-    source = _engine_core_source()
+    source = engine_core_source()
     if "cache_config.block_size = min(" not in source or "prefix_cacheable" not in source:
         pytest.skip(
             f"vLLM {harness.vllm_version()}'s engine core does not set cache_config.block_size "
@@ -94,7 +94,7 @@ def _ends_inside_a_block(result: Any, block: int) -> set[tuple[str, int]]:
 
 def test_the_engine_core_sets_the_minimum_over_prefix_cacheable_groups() -> None:
     """The harness's rule (engine_core_block_size) is the one the release's code has."""
-    source = _engine_core_source()
+    source = engine_core_source()
     assert "if g.kv_cache_spec.prefix_cacheable" in source
     assert "g.kv_cache_spec.block_size for g in kv_cache_groups" in source
 
