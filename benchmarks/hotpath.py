@@ -615,10 +615,22 @@ def text_step_bench(rounds: int, steps: int) -> dict[str, Any]:
 
 
 def run(profile: str) -> dict[str, Any]:
+    from benchmarks import engaged
+
     smoke = profile == "smoke"
     return {
         "schedule": schedule_bench(rounds=1, steps=16) if smoke else schedule_bench(8, 25),
         "micro": micro_bench(9, 2_000_000) if smoke else micro_bench(41, 10_000_000),
         "text_step": text_step_bench(rounds=1, steps=16) if smoke else text_step_bench(12, 40),
         "scope_load": scope_load(),
+        # Issue 29 item 5: the block-unit rule engaged next to idle, per call and per step.
+        "engaged": _guarded(engaged.run, profile),
     }
+
+
+def _guarded(fn: Callable[..., Any], *args: Any) -> Any:
+    """A failing part is an error row; the rest of the hot path still reports."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}

@@ -31,9 +31,13 @@ TARGET_ADDED_US = 0.5
 TARGET_REGISTER_MS = 20.0
 
 TIMEOUTS = {  # seconds per worker process
-    "smoke": {"main": 600, "upstream": 420, "doctor": 120, "imported": 180, "e2e": 0},
-    "full": {"main": 2700, "upstream": 1500, "doctor": 180, "imported": 300, "e2e": 600},
-}
+    "smoke": {"main": 600, "upstream": 420, "doctor": 120, "imported": 180, "e2e": 0,
+              "newest": 300},
+    "full": {"main": 2700, "upstream": 1500, "doctor": 180, "imported": 300, "e2e": 600,
+             "newest": 900},
+}  # fmt: skip
+# The newest release's split, per call (issue 29): only the CUDA `vllm` wheel has it.
+NEWEST_RELEASE = "0.34.0"
 MAIN_TASKS = "startup_hook,startup_warm,steps:stock,steps:nocache,steps:plugin,hotpath"
 
 
@@ -61,6 +65,20 @@ def _upstream_worker(profile: str, timeout: float) -> dict[str, Any]:
     pythonpath = releases.pythonpath_for(sched_steps.ARMS["upstream"]["release"], base=str(REPO))
     env = worker_env({"VLLM_PLUGINS": "", "VLLM_MAMBA_FIX": None}, pythonpath=pythonpath)
     args = ["-m", "benchmarks.worker", "--tasks", "steps:upstream", "--profile", profile]
+    return run_worker(args, timeout=timeout, env=env).result
+
+
+def _newest_worker(profile: str, timeout: float) -> dict[str, Any]:
+    """Per split call on the newest release, its overlay first (alone: it is timed)."""
+    from tools import releases
+
+    overlay = releases.cache_dir() / "overlays" / NEWEST_RELEASE / "vllm"
+    if profile == "smoke" and not overlay.is_dir():  # the smoke profile never downloads it
+        return {"skipped": f"vLLM {NEWEST_RELEASE} not cached (python -m tools.releases "
+                           f"{NEWEST_RELEASE})"}  # fmt: skip
+    pythonpath = releases.pythonpath_for(NEWEST_RELEASE, base=str(REPO))
+    env = worker_env({"VLLM_PLUGINS": None, "VLLM_MAMBA_FIX": None}, pythonpath=pythonpath)
+    args = ["-m", "benchmarks.worker", "--tasks", "split_calls", "--profile", profile]
     return run_worker(args, timeout=timeout, env=env).result
 
 
@@ -93,6 +111,7 @@ def collect(profile: str) -> dict[str, Any]:
             jobs["imported"] = pool.submit(_guard, _imported_case, 3, timeouts["imported"])
         results = {name: job.result() for name, job in jobs.items()}
     results.setdefault("doctor", {"skipped": "full profile only"})
+    results["newest"] = _guard(_newest_worker, profile, timeouts["newest"])
     if full:  # alone, so both engines see the same machine
         from benchmarks import e2e
 
@@ -174,6 +193,7 @@ def analyse(results: dict[str, Any]) -> dict[str, Any]:
         row("1 hot path", "schedule() per step, three arms", "error: " + hot["error"][:200])
     else:
         _hot_rows(hot, row)
+    _newest_rows(results.get("newest", {}), row)
 
     # 2. steps and 3. prefix reuse, per mode
     arms = _steps_by_arm(results)
@@ -377,6 +397,13 @@ def _hot_rows(hot: dict[str, Any], row: Any) -> None:
         row("1 hot path", "text-only step (schedule() + update_from_output()), plugin / stock, "
             "per-step ratio, median [IQR]", ratio(q),
             f"<= {TARGET_SCHEDULE_RATIO}", q["median"] <= TARGET_SCHEDULE_RATIO)  # fmt: skip
+    if "error" in hot.get("engaged", {}):
+        row("1 hot path", "split per call and step, idle and engaged",
+            "error: " + hot["engaged"]["error"][:200])  # fmt: skip
+    elif hot.get("engaged"):  # issue 29: the block-unit rule engaged next to idle
+        from benchmarks import engaged
+
+        engaged.rows(hot["engaged"], row)
     scope = hot.get("scope_load")
     if scope:
         row("1 hot path", "scope rules: ScopePolicy.load() when the plugin patches (builds "
@@ -397,6 +424,19 @@ def _hot_rows(hot: dict[str, Any], row: Any) -> None:
             f"->{m['patched_result']}){extra}",
             f"< {TARGET_ADDED_US}" if fast else m.get("kind", _slow_label(case)),
             added["median"] < TARGET_ADDED_US if fast else None)  # fmt: skip
+
+
+def _newest_rows(newest: dict[str, Any], row: Any) -> None:
+    from benchmarks import engaged
+
+    measure = f"split per call, vLLM {NEWEST_RELEASE}, idle and engaged"
+    data = newest.get("split_calls", newest)  # the worker's task, or the run's own note
+    if "error" in data:
+        row("1 hot path", measure, "error: " + str(data["error"])[:200])
+    elif "skipped" in data:
+        row("1 hot path", measure, "skipped: " + data["skipped"])
+    else:
+        engaged.rows(data, row)
 
 
 def _startup_and_e2e_rows(results: dict[str, Any], row: Any) -> None:

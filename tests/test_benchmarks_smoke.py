@@ -13,6 +13,8 @@ REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("1 hot path", "2 steps", "3 prefix reuse", "4 start-up", "5 end to end")
 MODES = {"sync", "async", "sync+mtp2", "async+mtp2"}
 HOT_PATH_ARMS = {"stock", "split", "split+encoder"}
+# Issue 29 item 5: per workload, the block-unit rule idle and engaged.
+ENGAGED_KEYS = {f"{w}/{s}" for w in ("text", "mixed") for s in ("idle", "engaged")}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,23 @@ def test_sections_ran_without_errors(smoke: tuple[str, dict, str]) -> None:
     assert set(text["us_per_step"]) == {"stock", "plugin"} and text["steps"] > 0
     assert text["diverged_steps"] == 0
     assert {"_mamba_block_aligned_split", "_try_schedule_encoder_inputs"} <= set(text["wrapped"])
+    # The block-unit rule engaged next to idle, per split call and per step, with stock and a
+    # bare wrapper side by side; the step's chunks are stock's on every step.
+    engaged = data["results"]["main"]["hotpath"]["engaged"]
+    assert set(engaged["calls"]) == set(engaged["steps"]) == ENGAGED_KEYS
+    for key, step in engaged["steps"].items():
+        assert step["steps"] > 0 and step["diverged_steps"] == 0, (key, step)
+        assert set(step["us_per_step"]) == {"stock", "bare", "plugin"}
+    for key, calls in engaged["calls"].items():
+        assert calls["calls"] > 0 and set(calls["ratio"]) == {"plugin/stock", "bare/stock"}
+        # Engaged, the plugin answers through the cache's block (else it is not that path).
+        assert (calls["answers_changed"] > 0) == key.endswith("/engaged"), (key, calls)
+    # The newest release's split per call: measured where its overlay is cached.
+    newest = data["results"]["newest"]
+    newest = newest.get("split_calls", newest)
+    assert "error" not in newest, newest
+    if "skipped" not in newest:
+        assert set(newest["calls"]) == ENGAGED_KEYS and newest["vllm"] == "0.34.0"
     # The scope rules are timed as the plugin runs them: loaded when it patched.
     assert data["results"]["main"]["hotpath"]["scope_load"]["installed_loaded"] is True
 
