@@ -28,6 +28,7 @@ from vllm_mamba_fix.doctor import (
     SpeculativeMethods,
     classify_speculative,
 )
+from vllm_mamba_fix.doctor.checks.speculative import OWN_KV_GROUP_TEXT
 from vllm_mamba_fix.evidence import Evidence
 from vllm_mamba_fix.policy import Rule
 from vllm_mamba_fix.rules import plan
@@ -453,7 +454,9 @@ def test_code_evidence_patches_a_pre_fix_dev_build(tmp_path: Path) -> None:
 
 def test_code_evidence_leaves_a_backport_alone(tmp_path: Path) -> None:
     data = _fake_run(tmp_path, "0.27.1", "--json", code=BACKPORT_CODE).json()
-    assert (data["status"], data["exit_code"]) == ("not-needed", 0)
+    # The block-unit rule still installs, so never "not needed": it engages at engine start.
+    assert (data["status"], data["exit_code"]) == ("protected", 0)
+    assert data["policy"]["verdict"] == "installed-per-scheduler"
     assert data["evidence"]["split_after_encoder"] is False
     assert data["evidence"]["deferred_encoder_free"] is False
     rules = _rules(data)
@@ -526,16 +529,20 @@ def test_stall_watchdog_setting_is_reported(
 
 
 @pytest.mark.parametrize(
-    ("vllm_version", "family", "needle"),
-    [("0.33.0", "0.33+", "not needed on vLLM 0.33.0"), ("0.14.1", "<0.15", "no Scheduler.")],
+    ("vllm_version", "family", "status", "needle"),
+    [
+        # Only the block-unit rule installs there: what runs is said, never "not needed".
+        ("0.33.0", "0.33+", "protected", "vLLM 0.33.0 needs no rule by its code or version"),
+        ("0.14.1", "<0.15", "not-needed", "no Scheduler."),
+    ],
 )
 def test_unaffected_release_is_not_needed(
-    tmp_path: Path, vllm_version: str, family: str, needle: str
+    tmp_path: Path, vllm_version: str, family: str, status: str, needle: str
 ) -> None:
     run = _fake_run(tmp_path, vllm_version, "--json")
     assert run.code == 0, run.err
     data = run.json()
-    assert (data["status"], data["family"]["name"]) == ("not-needed", family)
+    assert (data["status"], data["family"]["name"]) == (status, family)
     assert needle in data["summary"]
 
 
@@ -682,6 +689,52 @@ def test_speculative_config_is_classified_like_vllm(
         eagle,
         None,
     )
+
+
+@pytest.mark.parametrize(
+    ("config", "own_group"),
+    [
+        ({"method": "dflash", "model": "z-lab/Qwen3.5-35B-A3B-DFlash"}, True),
+        ({"model": "z-lab/Qwen3-8B-DFlash-b16"}, True),  # inferred from the name, as vLLM does
+        ({"method": "mtp", "num_speculative_tokens": 2}, False),
+        ({"method": "eagle3", "model": "AngelSlim/Qwen3-8B_eagle3"}, False),
+    ],
+)
+def test_a_drafter_with_its_own_kv_group_is_named(config: dict[str, Any], own_group: bool) -> None:
+    assert classify_speculative(config, RELEASE_METHODS)["drafter_kv_group"] is own_group
+
+
+DFLASH = (
+    '{"method": "dflash", "model": "z-lab/Qwen3.5-35B-A3B-DFlash", "num_speculative_tokens": 8}'
+)
+
+
+@pytest.mark.parametrize(
+    ("env", "code", "status", "line"),
+    [
+        ({}, 0, "protected", "the rule will engage at engine start"),
+        ({"VLLM_MAMBA_FIX_BLOCK_RULE": "0"}, 1, "not-protected", "nothing aligns"),
+    ],
+)
+def test_a_dflash_drafter_makes_the_sizes_differ_and_the_rule_engage(
+    tmp_path: Path, env: dict[str, str], code: int, status: str, line: str
+) -> None:
+    site = _fake_vllm(tmp_path / "site", "0.33.0")
+    env = {"PYTHONPATH": str(site), **env}
+    data = _run(_doctor("--json", "--speculative-config", DFLASH), env).json()
+    assert (data["exit_code"], data["status"]) == (code, status)
+    block = _rules(data)["block-unit"]
+    assert block["needed"] is True and "dflash" in block["foreseen"]
+    assert "block-unit" in data["policy"]["needed_rules"]
+    human = _run(_doctor("--speculative-config", DFLASH), env)
+    assert human.code == code
+    assert f"the two block sizes will differ: --speculative-config dflash: {OWN_KV_GROUP_TEXT}" in (
+        human.out
+    )
+    assert line in human.out
+    # MTP brings no KV cache group of its own: nothing is foreseen.
+    mtp = _run(_doctor("--json", "--speculative-config", '{"method": "mtp"}'), env).json()
+    assert _rules(mtp)["block-unit"]["foreseen"] is None
 
 
 @pytest.mark.parametrize(
@@ -932,7 +985,7 @@ def test_json_fields_and_exit_codes_are_pinned_on_real_vllm(
         ("0.32.0", {"encoder": ENCODER_CHANGED}, (), 1, "not-protected",
          frozenset({"dry_run.error"}), frozenset()),
         # dry_run.error is now null here: the block-unit rule installs on 0.33 too.
-        ("0.33.0", {}, (), 0, "not-needed", frozenset({"dry_run.error"}), frozenset()),
+        ("0.33.0", {}, (), 0, "protected", frozenset({"dry_run.error"}), frozenset()),
         ("0.14.1", {}, (), 0, "not-needed", frozenset(), DRY_RUN_FIELDS),
         ("not-a-version", {}, (), 3, "unknown", frozenset({"dry_run.mode"}), frozenset()),
         ("0.27.1", {}, ("--scheduler-cls", "no_such_module_xyz.Sched",
@@ -1030,7 +1083,7 @@ raise SystemExit(main(["doctor", "--json", *sys.argv[1:]]))
         ("0.25.1", {}, 0, "protected", None),
         ("0.27.1", {"signature": SPLIT_CHANGED}, 1, "not-protected", "unexpected signature"),
         ("0.32.0", {"encoder": ENCODER_CHANGED}, 1, "not-protected", "unexpected signature"),
-        ("0.27.1", {"code": BACKPORT_CODE}, 0, "not-needed", None),
+        ("0.27.1", {"code": BACKPORT_CODE}, 0, "protected", None),
     ],
 )
 def test_verdict_does_not_depend_on_the_plugin_log(
@@ -1101,6 +1154,15 @@ def test_problems_and_status_from_typed_inputs() -> None:
     none = verdict.needed_rules(fixed, Mode.AUTO, fixed_plan, False)
     calm = verdict.policy(fixed, "0.33.0", none, True, "", fixed_plan, "")
     assert (calm.verdict, verdict.status(calm, [], [])) == ("not-needed", "not-needed")
+    # A per-scheduler rule that installs: protected (exit 0), never "not needed".
+    block = frozenset({Rule.BLOCK_UNIT})
+    runs = verdict.policy(fixed, "0.33.0", none, True, "", fixed_plan, "", None, block)
+    assert (runs.verdict, verdict.status(runs, [], [])) == ("installed-per-scheduler", "protected")
+    assert "installed: block-unit [version: " in runs.reason
+    assert verdict.status(runs, [], ["x"]) == "not-protected"
+    # ... unless the plugin will not act at all (VLLM_MAMBA_FIX=0).
+    off = verdict.policy(fixed, "0.33.0", none, False, "", fixed_plan, "", None, block)
+    assert off.verdict == "not-needed"
 
 
 def test_doctor_modules_stay_small() -> None:
@@ -1232,14 +1294,16 @@ def test_block_rule_switched_off_on_0_33_warns_and_leaves_the_base_recorded(
     assert data["dry_run"]["error"].startswith("no rule to install: split [")
 
 
-def test_block_rule_on_0_33_is_installed_and_not_needed_yet(tmp_path: Path) -> None:
+def test_block_rule_on_0_33_is_installed_and_engages_at_engine_start(tmp_path: Path) -> None:
     run = _fake_run(tmp_path, "0.33.0")
     assert run.code == 0, run.err
-    assert "result: NOT NEEDED" in run.out
+    assert "NOT NEEDED" not in run.out  # a rule installs: never "not needed"
+    assert "result: PROTECTED: vLLM 0.33.0 needs no rule by its code or version" in run.out
+    assert "policy            installed, engages per scheduler:" in run.out
     assert "block-unit        active, by version:" in run.out
     assert (
-        "engages per scheduler where the Mamba KV cache's block differs from "
-        "cache_config.block_size; a dry run builds no scheduler, so it cannot tell yet"
+        "installed; it engages at engine start for each scheduler whose Mamba KV cache block "
+        "differs from cache_config.block_size"
     ) in run.out
     assert "patched Scheduler._mamba_block_aligned_split on import" in run.out
     assert "block-unit will not run" not in run.out

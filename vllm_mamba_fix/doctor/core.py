@@ -37,7 +37,11 @@ from vllm_mamba_fix.doctor.checks.schedulers import (
     scheduler_entries,
 )
 from vllm_mamba_fix.doctor.checks.settings import check_settings
-from vllm_mamba_fix.doctor.checks.speculative import SpeculativeCheck, check_speculative
+from vllm_mamba_fix.doctor.checks.speculative import (
+    OWN_KV_GROUP_TEXT,
+    SpeculativeCheck,
+    check_speculative,
+)
 from vllm_mamba_fix.doctor.checks.stall_end import check_stall_end
 from vllm_mamba_fix.doctor.checks.vllm_import import import_vllm
 from vllm_mamba_fix.doctor.checks.vllm_plugins import check_platform_plugins, check_vllm_plugins
@@ -87,6 +91,8 @@ class _Needs:
     needed_by: dict[Rule, list[str]]  # rules classes need (own schedule(), built block sizes)
     needed: frozenset[Rule]
     spared: str  # a rule let off by the --speculative-config
+    # Per-scheduler rules the set-up shows will engage, with why (a drafter's own KV group).
+    foreseen: dict[Rule, str] = dataclasses.field(default_factory=dict)
 
 
 def _family_json(family: Family | None) -> dict[str, Any] | None:
@@ -190,15 +196,23 @@ def _needs_step(state: _Run, speculative_config: Mapping[str, Any] | None) -> _N
     # block-unit: needed where a built scheduler shows the two block sizes apart.
     if plans.by_code.verdict(Rule.BLOCK_UNIT).active and mismatched(state.facts):
         needed_by[Rule.BLOCK_UNIT] = mismatched(state.facts)
+    foreseen: dict[Rule, str] = {}
+    if plans.by_code.verdict(Rule.BLOCK_UNIT).active and spec.data.get("drafter_kv_group"):
+        method = spec.data["resolved_method"]
+        foreseen[Rule.BLOCK_UNIT] = f"--speculative-config {method}: {OWN_KV_GROUP_TEXT}"
     not_eagle = spec.eagle is False
     needed = verdict.needed_rules(
-        state.family, state.settings.mode, plans.by_code, not_eagle, frozenset(needed_by)
+        state.family,
+        state.settings.mode,
+        plans.by_code,
+        not_eagle,
+        frozenset(needed_by) | frozenset(foreseen),
     )
     spared = ""
     if not_eagle and plans.by_code.verdict(Rule.SPECULATIVE_STALL).active:
         method = spec.data["resolved_method"]
         spared = f"speculative-stall [--speculative-config: {method} is not EAGLE-type]"
-    return _Needs(spec, needed_by, needed, spared)
+    return _Needs(spec, needed_by, needed, spared, foreseen)
 
 
 def _rule_entries_step(state: _Run, needs: _Needs) -> tuple[list[dict[str, Any]], dict[Rule, str]]:
@@ -214,9 +228,11 @@ def _rule_entries_step(state: _Run, needs: _Needs) -> tuple[list[dict[str, Any]]
         entry["needed_by_classes"] = needs.needed_by.get(rule, [])
         entry["problem"] = rule_problems.get(rule)
         if rule in verdict.PER_SCHEDULER:
-            # Only a built scheduler's record tells; a dry run builds none.
-            entry["needed"] = entry["needed"] if state.facts else None
+            # Only a built scheduler's record tells (a dry run builds none), or a set-up
+            # that makes the sizes differ (a drafter with its own KV cache group).
+            entry["needed"] = entry["needed"] if state.facts or rule in needs.foreseen else None
             entry["block_facts"] = [fact.to_json() for fact in state.facts]
+            entry["foreseen"] = needs.foreseen.get(rule)
     state.report.data["rules"] = entries
     return entries, rule_problems
 
@@ -331,9 +347,17 @@ def run(
     _views_step(state)
     needs = _needs_step(state, speculative_config)
     entries, rule_problems = _rule_entries_step(state, needs)
+    # Delivery first (its lines are placed below): a rule vLLM will not load is not installed.
+    delivery_lines = Report(data=report.data)
+    delivery = _delivery_checks(delivery_lines, settings)
+    delivered = delivery.entry_point_error is None and delivery.vllm_plugins_allows
+    installed_per_scheduler = frozenset(
+        r for r in verdict.PER_SCHEDULER if r in state.plans.installed and delivered
+    )
     chosen = verdict.policy(
         family, version, needs.needed, state.will_patch, state.checked.reason,
-        state.plans.by_code, needs.spared, needs.needed_by,
+        state.plans.by_code, needs.spared, needs.needed_by, installed_per_scheduler,
+        needs.foreseen,
     )  # fmt: skip
     report.data["policy"] = chosen.to_json()
     # The human report, in reading order.
@@ -341,7 +365,8 @@ def run(
     rule_lines(report, entries, family, settings, state.facts)
     report.add(needs.spec.mark, "speculative", needs.spec.text)
     _support_lines(state)
-    delivery = _delivery_checks(report, settings)
+    report.lines.extend(delivery_lines.lines)
+    report.warnings.extend(delivery_lines.warnings)
     class_problems = _scheduler_step(state, needs.needed)
     rule_problems.update(problems.switched_off(state.plans, needs.needed, settings))
     report.problems.extend(verdict.problems(chosen, delivery, rule_problems, tuple(class_problems)))

@@ -24,10 +24,16 @@ PER_SCHEDULER: frozenset[Rule] = frozenset({Rule.BLOCK_UNIT})
 PER_SCHEDULER_TEXT = (
     "engages per scheduler where the Mamba KV cache's block differs from cache_config.block_size"
 )
+# What a per-scheduler rule that installs does at engine start, where no record shows yet.
+ENGAGES_AT_START = (
+    "engages at engine start for each scheduler whose Mamba KV cache block differs from "
+    "cache_config.block_size (the engine core sets that to the smallest KV cache group block)"
+)
 
 VERDICT_TEXT = {
     "needed-will-patch": "needed, will patch",
     "needed-will-not-patch": "needed, but will NOT patch",
+    "installed-per-scheduler": "installed, engages per scheduler",
     "not-needed": "not needed",
     "unsupported": "unsupported",
 }
@@ -83,11 +89,16 @@ def policy(
     by_code: Plan,
     spared: str,
     needed_by: Mapping[Rule, Sequence[str]] | None = None,
+    installed_per_scheduler: frozenset[Rule] = frozenset(),
+    foreseen: Mapping[Rule, str] | None = None,
 ) -> Policy:
     """What the release needs and whether the plugin will act.
 
     ``spared`` names a rule let off; ``needed_by`` the classes that need a rule by
-    their own ``schedule()`` where the base class does not.
+    their own ``schedule()`` where the base class does not. ``installed_per_scheduler``:
+    per-scheduler rules the dry run installed (they engage at engine start where the sizes
+    differ, so the plugin acts even where nothing is known to be needed); ``foreseen``:
+    per-scheduler rules the set-up shows will engage, with why (a drafter's own KV group).
     """
     reason = preflight_reason
     if needed:
@@ -97,6 +108,8 @@ def policy(
             def basis(rule: Rule) -> str:
                 chosen = by_code.verdict(rule)
                 classes = ", ".join(needed_by.get(rule, ())) if needed_by else ""
+                if rule in PER_SCHEDULER and foreseen and rule in foreseen:
+                    return foreseen[rule]
                 if rule in PER_SCHEDULER and classes:
                     return f"the block sizes of the built {classes}"
                 if chosen.active:
@@ -110,24 +123,40 @@ def policy(
             )
     elif family.verdict is Verdict.UNKNOWN:
         verdict = "unsupported"
-    else:
-        verdict = "not-needed"
-        if family.verdict is not Verdict.ABSENT:
+    elif family.verdict is not Verdict.ABSENT:
+        fixes = [
+            f"{v.rule.value} [{v.basis}: {v.reason}]"
+            for v in by_code.verdicts
+            if v.rule in FIX_RULES
+            and v.rule not in PER_SCHEDULER
+            and not (spared and v.rule is Rule.SPECULATIVE_STALL)
+        ]
+        listed = "; ".join([*fixes, spared] if spared else fixes)
+        if installed_per_scheduler and should_patch:
+            # Never "not needed" while a rule installs: say what runs and when it acts.
+            verdict = "installed-per-scheduler"
             parts = [
-                f"{v.rule.value} [{v.basis}: {v.reason}]"
-                for v in by_code.verdicts
-                if v.rule in FIX_RULES
-                and v.rule not in PER_SCHEDULER
-                and not (spared and v.rule is Rule.SPECULATIVE_STALL)
+                f"{r.value} [{by_code.verdict(r).basis}: {by_code.verdict(r).reason}]"
+                for r in FIX_RULES
+                if r in installed_per_scheduler
             ]
-            parts += [
+            reason = (
+                f"vLLM {version} needs no rule by its code or version ({listed}); installed: "
+                f"{'; '.join(parts)}; it {ENGAGES_AT_START}"
+            )
+        else:
+            verdict = "not-needed"
+            waiting = [
                 f"{v.rule.value} [needed only where a built scheduler's Mamba KV cache block "
                 "differs from cache_config.block_size; none shows it]"
                 for v in by_code.verdicts
                 if v.rule in PER_SCHEDULER and v.active
             ]
-            listed = "; ".join([*parts, spared] if spared else parts)
-            reason = f"not needed on vLLM {version}: {listed}"
+            reason = f"not needed on vLLM {version}: " + "; ".join(
+                [*fixes, *waiting, spared] if spared else [*fixes, *waiting]
+            )
+    else:
+        verdict = "not-needed"
     return Policy(verdict, needed, should_patch, reason)
 
 
@@ -176,12 +205,16 @@ def status(chosen: Policy | None, bad_input: list[str], found_problems: list[str
         return "invalid-input"
     if chosen is None or chosen.verdict == "unsupported":
         return "unknown"
+    if chosen.verdict == "installed-per-scheduler":
+        return "not-protected" if found_problems else "protected"
     if not chosen.needed:
         return "not-needed"
     return "not-protected" if found_problems else "protected"
 
 
 def summary(status_: str, version: str | None, reason: str, found_problems: list[str]) -> str:
+    if status_ == "protected" and reason.startswith(f"vLLM {version} needs no rule"):
+        return reason  # installed-per-scheduler: the reason says what runs and when
     if status_ == "protected":
         return f"{reason}; the fix will be applied"
     if status_ == "not-needed":

@@ -9,7 +9,7 @@ from vllm_mamba_fix import rules
 from vllm_mamba_fix.config import ENV_END_STALLS_AFTER, ENV_STALL_SECONDS, Mode, Settings
 from vllm_mamba_fix.doctor.plans import BlockFact, Views
 from vllm_mamba_fix.doctor.report import Report
-from vllm_mamba_fix.doctor.verdict import PER_SCHEDULER_TEXT
+from vllm_mamba_fix.doctor.verdict import ENGAGES_AT_START, PER_SCHEDULER_TEXT
 from vllm_mamba_fix.evidence import Evidence
 from vllm_mamba_fix.policy import Rule, RuleVerdict
 from vllm_mamba_fix.versions import Family
@@ -137,7 +137,15 @@ def _block_rule_lines(
         report.add(mark, Rule.BLOCK_UNIT.value, f"inactive, {decided}")
     if not has_split:
         return
-    if not facts:
+    if entry.get("foreseen") and not facts:
+        will = "the rule will engage at engine start" if entry["active"] else "nothing aligns"
+        report.add(
+            "ok" if entry["active"] else "fail", "",
+            f"the two block sizes will differ: {entry['foreseen']}; {will}",
+        )  # fmt: skip
+    elif entry["active"] and not facts:
+        report.add("info", "", f"installed; it {ENGAGES_AT_START}; {NOT_SEEN} whether it will")
+    elif not facts:
         report.add("info", "", f"{PER_SCHEDULER_TEXT}; {NOT_SEEN}")
     for fact in facts:
         report.add("info", "", fact.describe())

@@ -28,6 +28,16 @@ _MTP_ALIASES_0_27 = (
     "bailing_hybrid_mtp", "kimi_k3_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp",
     "gemma4_mtp", "inkling_mtp",
 )  # fmt: skip
+# Drafters that bring a KV cache group of their own whose block is smaller than a hybrid
+# target's Mamba block: the engine core's minimum over the groups then pulls
+# cache_config.block_size below it (0.34 v1/worker/gpu/model_states/mamba_hybrid.py:
+# "a drafter group with its own smaller block (e.g. DFlash)").
+OWN_KV_GROUP_METHODS = ("dflash",)
+OWN_KV_GROUP_TEXT = (
+    "its drafter brings its own KV cache group with a smaller block, so on a hybrid model "
+    "the engine core's cache_config.block_size (the smallest group block) will be below the "
+    "Mamba block"
+)
 # What vLLM's SpeculativeConfig infers from the draft model's name when no
 # method is given, in its order (model-type checks need the model's config).
 _NAME_HINTS = (
@@ -127,6 +137,7 @@ def classify_speculative(config: Mapping[str, Any], methods: SpeculativeMethods)
         out["invalid"] = f"method {resolved!r} is not one this vLLM accepts"
     out["resolved_method"] = resolved
     out["eagle_type"] = None if resolved is None else resolved in methods.eagle
+    out["drafter_kv_group"] = resolved in OWN_KV_GROUP_METHODS
     out["how"] = how
     return out
 
@@ -227,6 +238,8 @@ def check_speculative(
         return SpeculativeCheck(data, "ok", text, False)
     given = "" if method == found["method"] else f" ({found['how']})"
     text = f"method {method}{given} is EAGLE-type; {on_release}"
+    if found["drafter_kv_group"]:
+        text += f"; {OWN_KV_GROUP_TEXT} (see block-unit)"
     warning = None
     if does == "names":
         warning = (

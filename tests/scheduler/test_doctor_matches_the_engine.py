@@ -1,0 +1,135 @@
+"""Doctor says what will run: its dry run against the record and the active line that the
+real scheduler of the same release logs when the engine builds it (issue 28, item 3).
+
+On 0.33+ only the block-unit rule installs: doctor must report it installed and engaging at
+engine start, never "not needed", and the scheduler the engine builds must carry exactly
+that. With a DFlash-like drafter group (tests/scheduler/test_drafter_block.py's set-up),
+doctor run inside that process reads the built scheduler's record and says it engaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.scheduler.test_drafter_block import engine_core_source
+from tools import sched_harness as harness
+from tools.sched_harness import HarnessConfig
+from vllm_mamba_fix import __version__, records
+from vllm_mamba_fix.config import ALL_VARIABLES
+from vllm_mamba_fix.doctor.core import run as doctor_run
+from vllm_mamba_fix.policy import Rule
+
+BASE = "vllm.v1.core.sched.scheduler.Scheduler"
+ALL_RULES = [r.value for r in Rule]  # the active line's order
+SMALL = HarnessConfig(block_size=256, max_num_batched_tokens=384, encoder_cache_tokens=256,
+                      max_model_len=2048)  # fmt: skip
+DRAFTER = dataclasses.replace(SMALL, drafter_block_size=128, block_size_from_groups=True)
+
+
+def _doctor() -> dict[str, Any]:
+    report = doctor_run()
+    report.data["lines"] = [f"{line.label} {line.text}" for line in report.lines]
+    return report.data
+
+
+def _doctor_as_an_operator_runs_it() -> dict[str, Any]:
+    """``vllm-mamba-fix doctor --json`` in its own process, with this process's vLLM (the
+    overlay's PYTHONPATH) and no plugin settings, as an operator runs it before the engine."""
+    env = {k: v for k, v in os.environ.items() if k not in ALL_VARIABLES}
+    env.pop("VLLM_PLUGINS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_mamba_fix", "doctor", "--json"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    data = json.loads(proc.stdout)
+    assert proc.returncode == data["exit_code"], proc.stderr[-2000:]
+    return data
+
+
+def _active_line(log: list[str]) -> str:
+    (line,) = [m for m in log if f" active: {BASE} carries" in m]
+    return line
+
+
+@contextlib.contextmanager
+def _vllm_log() -> Iterator[list[str]]:
+    """Messages under the `vllm` logger. Attached after a first scheduler was built: the
+    first build in a process may configure vLLM's logging again (0.34), dropping handlers."""
+    harness.build_scheduler(SMALL)
+    messages: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = _Collect(level=logging.DEBUG)
+    logging.getLogger("vllm").addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
+
+
+def test_doctor_says_what_the_built_scheduler_carries(vllm_version: str, load_plugin) -> None:
+    before = _doctor_as_an_operator_runs_it()
+    assert before["vllm"]["version"] == vllm_version
+    installs = [r["rule"] for r in before["rules"] if r["installs"]]
+    assert before["exit_code"] == 0, before["summary"]
+    # Never "not needed" while a rule installs.
+    assert (before["status"] == "not-needed") is (not installs), (before["status"], installs)
+
+    with _vllm_log() as log:
+        load_plugin()
+        harness.build_scheduler(SMALL)
+    line = _active_line(log)
+    (built,) = [r for r in records() if r.scheduler_class == BASE]
+    assert sorted(r.value for r in built.rules) == sorted(installs)
+    carried = line.split(" carries ", 1)[1].split("; block size")[0]
+    for entry in before["rules"]:
+        if entry["installs"]:  # the same rule, decided on the same basis, with the same reason
+            assert f"{entry['rule']} [{entry['decided_by']}: {entry['reason']}]" in carried, line
+        else:
+            assert f"{entry['rule']} [" not in carried, line
+    # What doctor tells the operator to expect in the engine core's log.
+    first = next(r for r in ALL_RULES if r in installs)
+    assert line.startswith(f"vllm-mamba-fix {__version__} active: {BASE} carries {first} [")
+    assert [r for r in ALL_RULES if f"{r} [" in carried] == [r for r in ALL_RULES if r in installs]
+    wraps = line.split(" wraps ", 1)[1]
+    for method in before["dry_run"]["wrapped_methods"]:
+        assert f"Scheduler.{method}" in wraps, (method, line)
+    # Built with equal sizes the rule stays idle; doctor said it engages only where they differ.
+    assert built.block is not None and not built.block.differs
+    if before["policy"]["verdict"] == "installed-per-scheduler":
+        assert "engages at engine start" in before["summary"]
+        assert before["status"] == "protected"
+
+
+def test_doctor_inside_the_engine_reads_the_built_schedulers_sizes(load_plugin) -> None:
+    if "prefix_cacheable" not in engine_core_source():
+        pytest.skip("the drafter's own block pulls cache_config.block_size down from 0.32")
+    with _vllm_log() as vllm_log:
+        load_plugin()
+        harness.build_scheduler(DRAFTER)  # a drafter group pulls cache_config.block_size to 128
+    (built,) = [r for r in records() if r.scheduler_class == BASE]
+    assert (built.block.mamba, built.block.configured) == (256, 128)
+    after = _doctor()
+    block = next(r for r in after["rules"] if r["rule"] == "block-unit")
+    assert block["needed"] is True
+    facts = [f for f in block["block_facts"] if f["class"] == BASE]
+    assert facts and facts[0]["engaged"] and facts[0]["block_size"] == 256
+    assert after["status"] == "protected" and after["exit_code"] == 0
+    assert f"engaged for {BASE}: the Mamba KV cache stores 256-token blocks" in " ".join(
+        after["lines"]
+    )
+    engaged = [m for m in vllm_log if "block-unit rule engaged" in m]
+    assert len(engaged) == 1 and "cache_config.block_size is 128" in engaged[0]
