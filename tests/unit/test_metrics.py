@@ -516,6 +516,18 @@ def test_attach_sweeps_only_the_directories_of_gone_servers(tmp_path: Path) -> N
             proc.wait()
 
 
+def test_the_sweep_never_raises(tmp_path: Path) -> None:
+    """A temporary directory that is missing, or holds an unreadable match: nothing removed."""
+    from vllm_mamba_fix import metrics_sweep
+
+    assert metrics_sweep.sweep(directory=str(tmp_path / "missing")) == []
+    broken = tmp_path / f"vllm-mamba-fix-metrics-{_dead_pid()}-0123456789ab"
+    broken.symlink_to(tmp_path / "nowhere")  # a dangling link with the plugin's name
+    huge = _private(tmp_path, "9999999999-0123456789ab")  # beyond a C int: cannot tell
+    assert metrics_sweep.sweep(directory=str(tmp_path)) == []
+    assert broken.is_symlink() and huge.is_dir()
+
+
 KILLED_SERVER = """
 import multiprocessing as mp, os, sys, time
 from vllm_mamba_fix import metrics
