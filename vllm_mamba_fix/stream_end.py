@@ -217,6 +217,8 @@ class Watch:
                 self._ended = ended_message(output)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # never the source's private state (nor a loop before init)
+            raise AttributeError(name)
         return getattr(self._source, name)
 
 
