@@ -164,6 +164,7 @@ def step_bench(workload: str, state: str, rounds: int, steps: int) -> dict[str, 
     return {
         "workload": workload,
         "state": state,
+        "engaged": _engaged(owner["plugin"]),
         "wrapped": wrapped,
         "us_per_step": {arm: quantiles([t / 1e3 for t in times[arm]]) for arm in ARMS},
         "ratio": {"plugin/stock": ratio("plugin"), "bare/stock": ratio("bare")},
@@ -262,6 +263,7 @@ def call_bench(workload: str, state: str, repeats: int, target_ns: int) -> dict[
     return {
         "workload": workload,
         "state": state,
+        "engaged": _engaged(harness),
         "calls": len(calls),
         "zero_calls": {arm: sum(not x for x in answers[arm]) for arm in ("stock", "plugin")},
         # Engaged, the plugin answers as vLLM with the cache's block: these differ from stock.
