@@ -366,3 +366,24 @@ def test_the_hook_wraps_a_module_imported_later() -> None:
         "['OpenAIServingChat.chat_completion_stream_generator', "
         "'OpenAIServingCompletion.completion_stream_generator']"
     )
+
+
+# One release per family besides this venv's 0.27.1 (0.24-0.27), from CI's overlays.
+OTHER_FAMILIES = ("0.15.1", "0.19.1", "0.28.0")
+
+
+@reported_here
+@pytest.mark.parametrize("release", OTHER_FAMILIES)
+def test_every_family_on_its_own_generators(release: str) -> None:
+    """This file's tests on another release's real stream generators (its overlay)."""
+    from tests.platforms._release_env import release_env
+
+    env = release_env(release)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", __file__,
+         "-k", "not every_family and not hook_wraps and not the_shape_of"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0, (release, done.stdout[-4000:], done.stderr[-2000:])
+    assert " passed" in summary and "skipped" not in summary, summary
