@@ -387,3 +387,11 @@ def test_every_family_on_its_own_generators(release: str) -> None:
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0, (release, done.stdout[-4000:], done.stderr[-2000:])
     assert " passed" in summary and "skipped" not in summary, summary
+
+
+def test_the_watchdog_writes_the_prefix_the_report_reads() -> None:
+    # The end's message (stall_watch) must begin with the prefix the stream report matches.
+    from vllm_mamba_fix import stall_watch
+
+    source = Path(stall_watch.__file__).read_text()
+    assert 'f"{CLIENT_MESSAGE_PREFIX}:' in source or f'f"{CLIENT_MESSAGE_PREFIX}:' in source
