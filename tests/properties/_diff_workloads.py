@@ -10,7 +10,7 @@ What the generator must reach, and where each comes from:
 - encoder-cache pressure, images and videos at every gap: `_support.request_bodies`
   (gaps 0, 1, 2 named, videos with and without is_embed), caches from the largest input up;
 - preemption, aborts, churn, priority scheduling: `perturbed`;
-- fine-grained prefix hits with internal checkpoints (0.33+): `fine_grained` (a longer
+- fine-grained prefix hits with internal checkpoints (0.32+): `fine_grained` (a longer
   request with the same tokens after its original finished; prefix_match_unit below the
   block, Mamba specs with a checkpoint block); on older releases the same layout is a
   block-granular hit;
@@ -129,20 +129,29 @@ def clustered(draw: st.DrawFn, block: int, gap: int) -> PropRequest:
 @st.composite
 def starved(draw: st.DrawFn, mode: Mode) -> Workload:
     """Long text prefills ahead of image and video requests: the budget left in a step after
-    the prefill's whole blocks is below one block, step after step."""
+    the prefill's whole blocks is below one block, step after step, long enough for the
+    watchdog to name the wait and the end to act (5+ steps)."""
     block = draw(blocks())
-    budget = draw(budgets(block, _floor(block)))
+    remainder = draw(st.integers(1, max(1, block - 1)))
+    budget = max(draw(st.integers(1, 4)) * block + remainder, _floor(block), 128)
     gap = min_image_gap_for(mode, vllm_version())
     ahead = [
-        PropRequest(f"long{i}", draw(st.integers(3 * budget, 12 * budget)), content=f"long{i}",
+        PropRequest(f"long{i}", draw(st.integers(6 * budget, 14 * budget)), content=f"long{i}",
                     arrival=draw(st.integers(0, 1)))
         for i in range(draw(st.integers(1, 2)))
     ]  # fmt: skip
-    behind = draw(mm_requests(block, budget, gap, "mm"))
-    if draw(st.booleans()):
-        behind.insert(0, draw(clustered(block, gap)))
+    behind = draw(mm_requests(block, budget, gap, "mm", n_max=2))
     threshold = draw(st.one_of(st.just(0), st.integers(max(64, _floor(block)), budget)))
-    return Workload(_scenario(draw, block, budget, threshold, ahead + behind))
+    if draw(st.integers(0, 3)) == 0:
+        return Workload(_scenario(draw, block, budget, threshold, ahead + behind))
+    # Small images inside one block, a cache for the largest alone; the other requests keep
+    # only inputs that fit it (a larger one would hang stock on its own).
+    cluster = draw(clustered(block, gap))
+    cache = max(n for _, n in cluster.images)
+    fits = [r for r in behind if all(n <= cache for _, n in r.images)
+            and all(encoder_cost(v) <= cache for v in r.videos)]  # fmt: skip
+    requests = [*ahead, cluster, *fits]
+    return Workload(PropScenario(block, budget, cache, threshold, tuple(requests)))
 
 
 @st.composite
@@ -203,25 +212,29 @@ def perturbed(draw: st.DrawFn, mode: Mode) -> Workload:
 @st.composite
 def fine_grained(draw: st.DrawFn, mode: Mode) -> Workload:
     """A request, then after it finished a longer one with the same tokens (and images):
-    its prefix hit lands mid-block on prefix_match_unit where 0.33+ has fine-grained hits,
+    its prefix hit lands mid-block on prefix_match_unit where 0.32+ has fine-grained hits,
     and its next chunk starts there. Internal checkpoints on or off."""
     block = draw(st.sampled_from([64, 128, 256, 512]))
     unit = block // draw(st.sampled_from([2, 4]))
-    budget = draw(budgets(block, _floor(block)))
+    # Often one chunk for a whole prompt: the longer request's tail after its hit is one
+    # chunk that crosses a boundary, checkpointed inside (harm 4's shape).
+    budget = draw(st.one_of(budgets(block, _floor(block)), st.just(8 * block + unit // 2)))
     gap = min_image_gap_for(mode, vllm_version())
     first = draw(mm_requests(block, budget, gap, "r", n_max=2))
+    if draw(st.integers(0, 3)) > 0:  # a text original whose last unit ends mid-block
+        first[0] = PropRequest("r0", draw(st.integers(2 * block, 6 * block)), content="r0")
     original = first[0]
     longer = dataclasses.replace(
         original, request_id="longer", prompt_len=original.prompt_len + draw(
-            st.integers(1, 3 * block)), after=original.request_id, arrival=0,
+            st.integers(block + 1, 3 * block)), after=original.request_id, arrival=0,
     )  # fmt: skip
     requests = [*first, longer]
     if draw(st.booleans()):  # the same prompt again too: an exact repeat
         requests.append(dataclasses.replace(original, request_id="again", after="longer"))
     threshold = draw(st.one_of(st.just(0), st.integers(max(64, _floor(block)), budget)))
-    fine = has_internal_checkpoints()  # prefix_match_unit exists from 0.33
-    alignment = draw(st.sampled_from([unit, 64 if unit % 64 == 0 else unit]))
-    checkpoints = fine and draw(st.booleans())
+    fine = has_internal_checkpoints()  # with prefix_match_unit (0.32+)
+    alignment = draw(st.sampled_from([unit, unit, unit, 64 if unit % 64 == 0 else unit]))
+    checkpoints = fine and draw(st.integers(0, 3)) > 0
     return Workload(
         _scenario(draw, block, budget, threshold, requests),
         prefix_match_unit=unit if fine else None,

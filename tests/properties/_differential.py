@@ -15,7 +15,7 @@ vLLM's own MTP `SpeculativeConfig`) of the release `import vllm` finds:
 3. in the cache's block, the plugin's prefill chunks have no boundary violation (a chunk
    starting mid-block crosses no boundary), except where vLLM's own design makes a crossing
    correct: past the last cacheable boundary under EAGLE (stock 0.15-0.26), and the prompt's
-   last chunk after a fine-grained hit with internal prefill checkpoints (0.33+);
+   last chunk after a fine-grained hit with internal prefill checkpoints (0.32+, by feature);
 4. where stock completes every request with no violation, the plugin's chunks are stock's;
 5. a request stock never completes, the plugin completes, or ends it with proof: the same
    plugin run, with that request exempt from ending, never completes it either.
@@ -55,8 +55,11 @@ def release() -> tuple[int, int]:
 
 
 def has_internal_checkpoints() -> bool:
-    """0.33+: Mamba specs may carry prefill checkpoints saved inside a chunk."""
-    return release() >= (0, 33)
+    """Whether Mamba specs may carry prefill checkpoints saved inside a chunk (read by
+    feature: 0.32.0 has them too, beside prefix_match_unit's fine-grained hits)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return "num_prefill_checkpoint_blocks" in {f.name for f in dataclasses.fields(MambaSpec)}
 
 
 def modes() -> tuple[Mode, ...]:
@@ -83,7 +86,7 @@ def diff_mode(request: pytest.FixtureRequest) -> Mode:
 @dataclass(frozen=True)
 class Workload:
     """A scenario plus what happens to it: a small KV pool (preemption), aborts at given
-    steps (a client gone), the priority policy, a saturated encoder budget, and 0.33's
+    steps (a client gone), the priority policy, a saturated encoder budget, and (0.32+)
     fine-grained prefix hits with internal checkpoints."""
 
     scenario: PropScenario
@@ -304,7 +307,7 @@ def violations(w: Workload, run: Outcome, mode: Mode) -> list[tuple[str, int, in
             if (s // b + 1) * b > _last_cacheable(prompt, b, mode):
                 continue  # past the last cacheable boundary (EAGLE backs it off a block)
             if unit and e >= prompt and s % unit == 0:
-                continue  # 0.33+: the backend saves the checkpoint inside this chunk
+                continue  # 0.32+: the backend saves the checkpoint inside this chunk
             bad.append((rid, s, e))
     return bad
 

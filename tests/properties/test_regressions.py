@@ -203,9 +203,10 @@ def _between_sizes(budget: int, threshold: int, after: bool) -> Workload:
     )  # fmt: skip
 
 
-# Issue 27 harm 4 (0.33+): a fine-grained prefix hit (prefix_match_unit 16, block 64) at 688,
-# mid-block; stock gives the 850-token prompt one chunk [688, 850), the backend checkpoints
-# inside it. On older releases the same requests hit at a block boundary.
+# Issue 27 harm 4: a fine-grained prefix hit (prefix_match_unit 16, block 64) at 688, mid-block;
+# stock gives the 850-token prompt one chunk [688, 850), the backend checkpoints inside it.
+# Found on 0.33.0 and on 0.32.0, which has the same checkpoints; on releases without
+# prefix_match_unit the same requests hit at a block boundary.
 FINE_GRAINED_HIT = Workload(
     PropScenario(
         block_size=64, budget=2048, encoder_cache=256, threshold=0,
