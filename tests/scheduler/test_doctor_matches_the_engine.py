@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +21,6 @@ from tests.scheduler.test_drafter_block import engine_core_source
 from tools import sched_harness as harness
 from tools.sched_harness import HarnessConfig
 from vllm_mamba_fix import __version__, records
-from vllm_mamba_fix.config import ALL_VARIABLES
 from vllm_mamba_fix.doctor.core import run as doctor_run
 from vllm_mamba_fix.policy import Rule
 
@@ -40,20 +35,6 @@ def _doctor() -> dict[str, Any]:
     report = doctor_run()
     report.data["lines"] = [f"{line.label} {line.text}" for line in report.lines]
     return report.data
-
-
-def _doctor_as_an_operator_runs_it() -> dict[str, Any]:
-    """``vllm-mamba-fix doctor --json`` in its own process, with this process's vLLM (the
-    overlay's PYTHONPATH) and no plugin settings, as an operator runs it before the engine."""
-    env = {k: v for k, v in os.environ.items() if k not in ALL_VARIABLES}
-    env.pop("VLLM_PLUGINS", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_mamba_fix", "doctor", "--json"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    data = json.loads(proc.stdout)
-    assert proc.returncode == data["exit_code"], proc.stderr[-2000:]
-    return data
 
 
 def _active_line(log: list[str]) -> str:
@@ -81,7 +62,8 @@ def _vllm_log() -> Iterator[list[str]]:
 
 
 def test_doctor_says_what_the_built_scheduler_carries(vllm_version: str, load_plugin) -> None:
-    before = _doctor_as_an_operator_runs_it()
+    before = _doctor()  # the dry run before the engine: patch, verify, undo
+    assert not harness.split_is_wrapped()
     assert before["vllm"]["version"] == vllm_version
     installs = [r["rule"] for r in before["rules"] if r["installs"]]
     assert before["exit_code"] == 0, before["summary"]
