@@ -32,7 +32,6 @@ Decided by the code, never raising into vLLM:
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
 import importlib.util
 import inspect
@@ -203,8 +202,10 @@ class Watch:
             if message is None:
                 raise
             raise self._error_cls(message) from None
-        with contextlib.suppress(Exception):  # an item of a shape not seen: passed on unread
+        try:  # not contextlib.suppress: this runs once per streamed output
             self._look(item)
+        except Exception:  # an item of a shape not seen: passed on unread
+            return item
         return item
 
     def _look(self, item: Any) -> None:
