@@ -18,7 +18,13 @@ vLLM's own MTP `SpeculativeConfig`) of the release `import vllm` finds:
    last chunk after a fine-grained hit with internal prefill checkpoints (0.32+, by feature);
 4. where stock completes every request with no violation, the plugin's chunks are stock's;
 5. a request stock never completes, the plugin completes, or ends it with proof: the same
-   plugin run, with that request exempt from ending, never completes it either.
+   plugin run, with that request exempt from ending, never completes it either. A request
+   stock leaves waiting even with an encoder cache and budget that hold every input is
+   vLLM's own hang (a KV pool too small for the requests together, `perturbed`'s
+   preemption), outside what the plugin handles: it may wait, never be ended unproven.
+
+Every mode runs on each release whatever the matrix cell (the `diff_mode` fixture, not
+`sched_mode`): CI's one release per family runs the suite in all four modes.
 """
 
 from __future__ import annotations

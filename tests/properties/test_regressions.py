@@ -275,3 +275,23 @@ def test_budget_wait_keeps_stocks_chunks(diff_mode: Mode) -> None:
 
 def test_two_sizes_keep_stocks_chunks_where_they_cross_no_cache_boundary(diff_mode: Mode) -> None:
     check(TWO_SIZES_STOCK_RIGHT, diff_mode)
+
+
+# Found by test_starved_behind_long_prefills on 0.27.1 against the working tree of issue 27
+# item 1 (not 0.4.0): two images that never fit the 120-token cache together, behind a
+# 6,000-token prefill at budget 300. Stock deadlocks on them; the plugin must complete the
+# request (its split rule does once the prefill is done), not end it while it waits for budget.
+DEADLOCK_BEHIND_A_PREFILL = Workload(
+    PropScenario(
+        block_size=256, budget=300, encoder_cache=120, threshold=0,
+        requests=(
+            PropRequest("long-text", 6000, content="long-text"),
+            PropRequest("two-images", 700, ((50, 100), (160, 120)), content="two-images",
+                        arrival=1),
+        ),
+    )
+)  # fmt: skip
+
+
+def test_a_deadlock_behind_a_long_prefill_is_completed_not_ended(diff_mode: Mode) -> None:
+    check(DEADLOCK_BEHIND_A_PREFILL, diff_mode)
