@@ -10,6 +10,9 @@
 
       python -m tools.prop_adapters 0.19.1 0.25.1     # ci profile
       HYPOTHESIS_PROFILE=long python -m tools.prop_adapters 0.19.1 0.25.1 0.27.1
+      # the differential suite only, 50 workloads per test and mode, shrunk when one fails
+      VLLM_MAMBA_FIX_DIFFERENTIAL_EXAMPLES=50 VLLM_MAMBA_FIX_DIFFERENTIAL_SHRINK=1 \
+          python -m tools.prop_adapters 0.28.0 -ktest_differential
 """
 
 from __future__ import annotations

@@ -295,3 +295,38 @@ DEADLOCK_BEHIND_A_PREFILL = Workload(
 
 def test_a_deadlock_behind_a_long_prefill_is_completed_not_ended(diff_mode: Mode) -> None:
     check(DEADLOCK_BEHIND_A_PREFILL, diff_mode)
+
+
+# Found by test_two_block_sizes under MTP on 0.25.1 and 0.28.0 against the working tree of
+# issue 27 item 1 (cache block 2048, cache_config.block_size 512 set after the build, budget
+# 778): under EAGLE-type speculation vLLM caches no state at the block below the prompt's end
+# (`last_cache_position` backs off a block), and stock's [1536, 2138) crosses 2048 by design;
+# stopping there costs a step. Without speculation stock's chunks are kept already.
+TWO_SIZES_PAST_LAST_CACHEABLE = Workload(
+    PropScenario(
+        block_size=2048, budget=778, encoder_cache=300, threshold=0,
+        requests=(PropRequest("text", 2138, content="text", max_tokens=3),),
+        configured_block_size=512, configured_after_build=True,
+    )
+)  # fmt: skip
+
+
+def test_two_sizes_cross_where_vllm_caches_no_state(diff_mode: Mode) -> None:
+    check(TWO_SIZES_PAST_LAST_CACHEABLE, diff_mode)
+
+
+# Found by test_two_block_sizes on 0.34.0 against the working tree of issue 27 item 1 (cache
+# block 2048, cache_config.block_size 1024, budget 6145, threshold 1669, which 0.34's split
+# does not apply here): stock's 6144-token chunks start and end on cache boundaries; clipping
+# every chunk to the next cache boundary, from a boundary too, takes 7 steps for stock's 3.
+TWO_SIZES_ALIGNED_CHUNKS = Workload(
+    PropScenario(
+        block_size=2048, budget=6145, encoder_cache=300, threshold=1669,
+        requests=(PropRequest("text", 12_500, content="text"),),
+        configured_block_size=1024,
+    )
+)  # fmt: skip
+
+
+def test_two_sizes_keep_stocks_aligned_multi_block_chunks(diff_mode: Mode) -> None:
+    check(TWO_SIZES_ALIGNED_CHUNKS, diff_mode)
