@@ -30,7 +30,7 @@ EVERY = pytest.mark.parametrize("scenario", sc.ALL, ids=lambda s: s.name)
 # get_mamba_prefill_checkpoint_alignment).
 QWEN35_BLOCK = {0: 1056, 2: 1072}
 QWEN35_BLOCK_029 = {0: 1056, 2: 1088}
-# 0.34 also rounds the block to the Mamba prefill-checkpoint alignment (64) in align mode.
+# 0.34 raised CacheConfig.DEFAULT_BLOCK_SIZE from 16 to 64, so the hybrid alignment rounds to 64.
 QWEN35_BLOCK_034 = {0: 1088, 2: 1088}
 
 # Prefill chunks of the issue-10 layout on stock 0.28.0 (upstream's fix), per
