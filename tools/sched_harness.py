@@ -481,12 +481,14 @@ def _cpu_check_sees_triton() -> Iterator[None]:
         yield
         return
 
+    saved = triton_utils.HAS_TRITON
+
     def check_with_triton(klass: type, vllm_config: Any) -> None:
         triton_utils.HAS_TRITON = True
         try:
             original(klass, vllm_config)
         finally:
-            triton_utils.HAS_TRITON = False
+            triton_utils.HAS_TRITON = saved
 
     cls.check_and_update_config = classmethod(check_with_triton)
     try:
