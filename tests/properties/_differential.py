@@ -11,7 +11,7 @@ vLLM's own MTP `SpeculativeConfig`) of the release `import vllm` finds:
 
 `check` then holds the plugin to stock (the oracle of issue 27):
 1. every request stock completes, the plugin completes: none ended, none waiting;
-2. when stock completes every request, the plugin needs no more steps;
+2. when stock completes every request with no violation (3), the plugin needs no more steps;
 3. in the cache's block, the plugin's prefill chunks have no boundary violation (a chunk
    starting mid-block crosses no boundary), except where vLLM's own design makes a crossing
    correct: past the last cacheable boundary under EAGLE (stock 0.15-0.26), and the prompt's
@@ -350,13 +350,15 @@ def check(w: Workload, mode: Mode) -> dict[str, int]:
     beyond = beyond_the_plugin(w, mode, reference)
     left = mine.waiting - beyond
     assert not left, f"waiting forever with the plugin: {sorted(left)}; {where}"
-    if not reference.waiting:
-        assert mine.steps <= reference.steps, (
-            f"the plugin needs {mine.steps} steps, stock {reference.steps}; {where}"
-        )
     bad = violations(w, mine, mode)
     assert not bad, f"plugin chunks crossing a cache-block boundary from mid-block: {bad}; {where}"
     stock_bad = violations(w, reference, mode)
+    # Stock is the reference for speed where it is right; where its chunks cross a cache
+    # boundary (wrong states cached), stopping at the boundary may cost steps (counted).
+    if not reference.waiting and not stock_bad:
+        assert mine.steps <= reference.steps, (
+            f"the plugin needs {mine.steps} steps, stock {reference.steps}; {where}"
+        )
     if not reference.waiting and not stock_bad:
         differ = {
             rid: (mine.spans(rid), reference.spans(rid))
@@ -384,6 +386,7 @@ def check(w: Workload, mode: Mode) -> dict[str, int]:
         "plugin_ended": len(mine.ended),
         "ends_proven": proven,
         "identical_runs": int(mine.chunks == reference.chunks),
+        "extra_steps_fixing_stock": max(mine.steps - reference.steps, 0) if stock_bad else 0,
         "steps_stock": reference.steps,
         "steps_plugin": mine.steps,
         "corrections": len(mine.corrections),
