@@ -186,7 +186,7 @@ def perturbed(draw: st.DrawFn, mode: Mode) -> Workload:
     gap = min_image_gap_for(mode, vllm_version())
     requests = draw(mm_requests(block, budget, gap, "r", n_max=4))
     requests += [
-        PropRequest(f"churn{i}", draw(st.integers(16, 3000)), content=f"churn{i}",
+        PropRequest(f"churn{i}", draw(st.integers(16, 6000)), content=f"churn{i}",
                     arrival=draw(st.integers(0, 8)), max_tokens=draw(st.integers(1, 4)))
         for i in range(draw(st.integers(0, 3)))
     ]  # fmt: skip
@@ -195,7 +195,7 @@ def perturbed(draw: st.DrawFn, mode: Mode) -> Workload:
         requests = [dataclasses.replace(r, priority=draw(st.integers(-1, 1))) for r in requests]
     texts = [r.request_id for r in requests if not r.has_mm]
     aborts = draw(
-        st.lists(st.tuples(st.integers(1, 12), st.sampled_from(texts)), max_size=2)
+        st.lists(st.tuples(st.integers(1, 8), st.sampled_from(texts)), min_size=1, max_size=2)
         if texts
         else st.just([])
     )

@@ -116,11 +116,12 @@ class Workload:
             "prefill_checkpoint_alignment": self.checkpoint_alignment,
         }
         if self.preempt:
-            # About one max_model_len request: two long requests at once preempt.
+            # About one and a half max_model_len requests: two long requests at once
+            # preempt (one only leaves vLLM's own KV hangs, no room to finish either).
             longest = max(r.prompt_len + r.max_tokens for r in s.requests) + 16
             max_len = max(longest, 1024, s.budget, s.threshold)
             changes["max_model_len"] = max_len
-            changes["num_blocks"] = max_len // s.block_size + 2
+            changes["num_blocks"] = 3 * max_len // (2 * s.block_size) + 2
         if self.saturated_encoder:
             sizes = [n for r in s.requests for _, n in r.mm_spans]
             changes["encoder_compute_tokens"] = max(sizes, default=0) or None
