@@ -330,3 +330,49 @@ TWO_SIZES_ALIGNED_CHUNKS = Workload(
 
 def test_two_sizes_keep_stocks_aligned_multi_block_chunks(diff_mode: Mode) -> None:
     check(TWO_SIZES_ALIGNED_CHUNKS, diff_mode)
+
+
+# Found by test_preemption_aborts_churn_priority on 0.25.1 under MTP (0.4.0 and the item-1
+# working tree): under EAGLE vLLM caches no state at 1056 for a 1,783-token prompt, and stock's
+# [133, 1189) crosses it by design; the plugin re-aligns it to [133, 1056), which moves the
+# priority queue's shared budget and changes a neighbour's chunks.
+REALIGN_PAST_LAST_CACHEABLE = Workload(
+    PropScenario(
+        block_size=1056, budget=1056, encoder_cache=2009, threshold=1056,
+        requests=(
+            PropRequest("r0", 552, ((60, 347),), content="r0", arrival=3, max_tokens=2),
+            PropRequest("r1", 190, content="r1", arrival=1, priority=-1),
+            PropRequest("r2", 9, content="r2", arrival=4),
+            PropRequest("r3", 1783, ((5, 129), (134, 1608)), content="r3", arrival=2,
+                        max_tokens=2, priority=-1),
+        ),
+    ),
+    aborts=((6, "r1"),), priority=True, saturated_encoder=True,
+)  # fmt: skip
+
+# Found by the same test on 0.15.1 (0.4.0 and the item-1 working tree), a KV pool of about one
+# and a half requests: the plugin schedules r2 a 25-token chunk stock does not (its 0 would
+# clear), r2 is preempted and recomputes from 0; stock's chunks are right throughout.
+CORRECTION_THEN_PREEMPTION = Workload(
+    PropScenario(
+        block_size=160, budget=665, encoder_cache=2204, threshold=0,
+        requests=(
+            PropRequest("r0", 1477, ((380, 762), (1143, 226)), content="r0", arrival=1,
+                        max_tokens=3),
+            PropRequest("r1", 44, content="r1", max_tokens=3),
+            PropRequest("r2", 2390, ((192, 124), (617, 451), (1083, 293), (1553, 776)),
+                        content="r2", arrival=3, max_tokens=3),
+            PropRequest("churn0", 632, content="churn0", arrival=2, max_tokens=2),
+            PropRequest("churn1", 1404, content="churn1", arrival=6),
+        ),
+    ),
+    preempt=True, aborts=((3, "r1"), (4, "r1")), saturated_encoder=True,
+)  # fmt: skip
+
+
+def test_no_realign_past_the_last_cacheable_boundary(diff_mode: Mode) -> None:
+    check(REALIGN_PAST_LAST_CACHEABLE, diff_mode)
+
+
+def test_a_zero_that_clears_is_left_before_a_preemption(diff_mode: Mode) -> None:
+    check(CORRECTION_THEN_PREEMPTION, diff_mode)
