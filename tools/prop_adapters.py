@@ -101,6 +101,18 @@ class PropScenario:
         return dataclasses.replace(self, configured_block_size=None, configured_after_build=False)
 
     @property
+    def block_rule_reference(self) -> PropScenario:
+        """What the block-unit rule promises: stock with the block pinned to the cache's;
+        where the cache's block exceeds the longest chunk (budget, threshold) and the
+        configured one does not, stock as configured (its chunks cross no cache boundary
+        wherever the configured block divides the cache's)."""
+        longest = min(x for x in (self.budget, self.threshold) if x > 0)
+        configured = self.configured_block_size
+        if configured is not None and configured <= longest < self.block_size:
+            return self
+        return self.pinned
+
+    @property
     def has_images(self) -> bool:
         """Whether any request has an image or a video."""
         return any(r.has_mm for r in self.requests)

@@ -115,6 +115,27 @@ class SplitState:
     size: int  # the unit corrections align to; 0: the split rules stand down
     # cache_config with the cache's block, for vLLM's split: the block-unit rule engaged.
     view: CacheConfigView | None = None
+    configured: int = 0  # cache_config.block_size, which vLLM's own split floors to
+    # The block vLLM's answer is floored to exceeds the longest chunk its split may be asked
+    # for (budget, long_prefill_token_threshold): a split without the 0.27 sub-block
+    # exemption floors every chunk but a prompt's last to 0 there, so its 0s never clear.
+    beyond_chunk: bool = False
+    # Engaged, and the cache's block exceeds that longest chunk: vLLM's configured answer,
+    # stopped at the next cache boundary, is the chunk.
+    starved: bool = False
+    # Nothing a call can need when the view is not engaged: return vLLM's answer.
+    quiet: bool = False
+
+
+def longest_chunk(scheduler: Any) -> int | None:
+    """The most tokens vLLM's split is ever asked for in one chunk; None if unreadable."""
+    config = getattr(scheduler, "scheduler_config", None)
+    budget = getattr(scheduler, "max_num_scheduled_tokens", None)
+    if not isinstance(budget, int):
+        budget = getattr(config, "max_num_batched_tokens", None)
+    threshold = getattr(config, "long_prefill_token_threshold", 0)
+    limits = [x for x in (budget, threshold) if isinstance(x, int) and x > 0]
+    return min(limits) if limits else None
 
 
 def _is_mamba_spec(spec: Any) -> bool:
@@ -180,7 +201,9 @@ def block_size_of(scheduler: Any) -> int:
 block_unit_of = block_size_of  # the old name, until encoder_wrapper.py moves over
 
 
-def settle_split(scheduler: Any, block_rule: bool, switch: str) -> tuple[SplitState, BlockUnit]:
+def settle_split(
+    scheduler: Any, block_rule: bool, switch: str, advances_sub_block: bool = True
+) -> tuple[SplitState, BlockUnit]:
     """Once per scheduler, at its first split: the unit and, where vLLM's split floors to
     another block than the cache's and ``block_rule`` is on, the view it is asked through.
 
@@ -203,6 +226,16 @@ def settle_split(scheduler: Any, block_rule: bool, switch: str) -> tuple[SplitSt
     elif unit.differs:
         view = CacheConfigView(vars(scheduler)[CACHE_CONFIG_ATTR], size)
         logger.info("vllm-mamba-fix: %s", unit.engaged_line(name))
-    state = SplitState(size, view)
+    longest = longest_chunk(scheduler)
+    configured_size = unit.configured or 0
+    # Every release: a split asked in a block no chunk reaches floors all but a prompt's last
+    # chunk to 0 (0.15-0.26) or advances sub-block (0.27+); stock's configured answer,
+    # stopped at the cache's boundary, is right in both and is what stock schedules.
+    starved = view is not None and longest is not None and size > longest
+    # The block the answer the split rule sees is floored to: the configured one if starved.
+    # ``advances_sub_block`` (0.27+): no 0 of that floor lasts.
+    floored = configured_size if starved else size
+    beyond = not advances_sub_block and longest is not None and floored > longest
+    state = SplitState(size, view, configured_size, beyond, starved)
     setattr(scheduler, SPLIT_ATTR, state)
     return state, unit

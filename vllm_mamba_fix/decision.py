@@ -104,6 +104,37 @@ def can_need_correction(
     return stock_tokens != num_new_tokens or (offset != 0 and offset + stock_tokens > block_size)
 
 
+def configured_floor_differs(
+    start: int,
+    num_new_tokens: int,
+    chunk: int,
+    configured_block: int,
+    absolute_end: bool,
+    final: bool,
+) -> bool:
+    """Whether vLLM's floor to ``configured_block`` ends ``[start, start + num_new_tokens)``
+    elsewhere than ``start + chunk``: a chunk the block-unit rule changed.
+
+    By arithmetic, not by asking vLLM again: the other stops of the split are the same in
+    both blocks. ``absolute_end``: 0.26+ floor the chunk's end and stop a mid-block start
+    at the next boundary; 0.15-0.25 floor its length. ``final``: the chunk reaches the end
+    of prefill, which no release floors.
+    """
+    if chunk <= 0 or configured_block <= 0:
+        return False
+    if final:
+        configured_end = start + num_new_tokens
+    elif not absolute_end:
+        configured_end = start + num_new_tokens // configured_block * configured_block
+    else:
+        configured_end = (start + num_new_tokens) // configured_block * configured_block
+    if absolute_end and start % configured_block:
+        configured_end = min(
+            configured_end, start + tokens_to_next_boundary(start, configured_block)
+        )
+    return max(configured_end, start) != start + chunk
+
+
 def in_prefill_by_output_tokens(num_output_tokens: int) -> bool:
     """Prefill gate of vLLM 0.15-0.16: a request with output is never split."""
     return num_output_tokens == 0

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba_fix import counters, stall_watch, stalls
+from vllm_mamba_fix._log import failure_reporter
 from vllm_mamba_fix.blocks import block_size_of
 from vllm_mamba_fix.decision import Action, speculative_stall_release, unshifted_cut_needed
 from vllm_mamba_fix.scope import ScopePolicy
 from vllm_mamba_fix.stall_watch import log_moving_again
 from vllm_mamba_fix.stalls import REPEATED, ZeroStreaks, watchdog_due
 from vllm_mamba_fix.targets import MARKER
-from vllm_mamba_fix.wrappers import failure_reporter
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.blocks import BlockUnit, set_block_unit, unit_of_scheduler
 from vllm_mamba_fix.config import Settings, load_settings
 from vllm_mamba_fix.evidence import Evidence, read_evidence
-from vllm_mamba_fix.policy import Plan, Preflight, Rule, preflight
+from vllm_mamba_fix.policy import Facts, Plan, Preflight, Rule, preflight
 from vllm_mamba_fix.record import ClassRecord, MethodRecord, MethodState, class_name
 from vllm_mamba_fix.scope import ScopePolicy
 from vllm_mamba_fix.targets import FREE_REQUEST_METHOD, INIT_METHOD, SCHEDULER_CLASS, SPLIT_METHOD
@@ -129,7 +129,8 @@ def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, dict[str, Any], E
     """``cls``'s plan from its own code, and its wrappers' options."""
     evidence = read_evidence(cls)
     decided = rules.plan(installed.settings, installed.family, evidence)
-    options = rules.options_for(decided, installed.settings, installed.family, installed.scope)
+    facts = Facts(installed.settings, installed.family, evidence)
+    options = rules.options_for(decided, facts, installed.scope)
     return decided, options, evidence
 
 

@@ -88,6 +88,18 @@ class Facts:
     family: Family
     evidence: Evidence
 
+    @property
+    def split_after_encoder(self) -> bool:
+        """Whether the class's ``schedule()`` budgets encoder inputs before the split.
+
+        Its code decides; the version where the code cannot tell. Only in that order
+        can a split 0 be an encoder stall: where the split runs first (vLLM #51603)
+        it is a wait for token budget.
+        """
+        if self.evidence.split_after_encoder is not None:
+            return self.evidence.split_after_encoder
+        return self.family.verdict is not Verdict.NOT_NEEDED
+
 
 Earlier = Mapping[Rule, RuleVerdict]  # the verdicts decided before, in table order
 

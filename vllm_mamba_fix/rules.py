@@ -65,7 +65,7 @@ class RuleSpec:
 class MethodSpec:
     name: str
     # The wrapper's options for the rules a plan gives this method; None: not wrapped.
-    options: Callable[[frozenset[Rule], Settings, Family, ScopePolicy], Any]
+    options: Callable[[frozenset[Rule], Facts, ScopePolicy], Any]
     wrap: Callable[[Callable[..., Any], Any], Callable[..., Any]]
     # The rules a built wrapper's options carry.
     carried: Callable[[Any], frozenset[Rule]]
@@ -98,15 +98,26 @@ RULES: tuple[RuleSpec, ...] = (
 )  # fmt: skip
 
 
-def _split_options(
-    rules: frozenset[Rule], settings: Settings, family: Family, scope: ScopePolicy
-) -> WrapOptions | None:
+def _split_options(rules: frozenset[Rule], facts: Facts, scope: ScopePolicy) -> WrapOptions | None:
     if not rules & {Rule.SPLIT, Rule.BLOCK_UNIT}:
         return None
+    family = facts.family
     # FORCE on an unreadable version has no gate of its own: 0.17+'s.
     gate = family.prefill_gate or PrefillGate.BEFORE_PREFILL_END
     return WrapOptions(
-        gate, scope, deadlock_rules=Rule.SPLIT in rules, block_rule=Rule.BLOCK_UNIT in rules
+        gate,
+        scope,
+        deadlock_rules=Rule.SPLIT in rules,
+        block_rule=Rule.BLOCK_UNIT in rules,
+        # From 0.26 vLLM's split stops a mid-block chunk at the next boundary itself.
+        realign_others=not family.stops_mid_block,
+        absolute_end=family.stops_mid_block,
+        advances_sub_block=family.advances_sub_block,
+        # The watchdog hears a split 0 only where it can be an encoder stall: encoder
+        # budgeting runs first, and no split rule corrects the cuts that never clear.
+        hears_split_zeros=Rule.STALL_WATCHDOG in rules
+        and facts.split_after_encoder
+        and Rule.SPLIT not in rules,
     )
 
 
@@ -116,10 +127,11 @@ def _split_carried(options: WrapOptions) -> frozenset[Rule]:
 
 
 def _encoder_options(
-    rules: frozenset[Rule], settings: Settings, family: Family, scope: ScopePolicy
+    rules: frozenset[Rule], facts: Facts, scope: ScopePolicy
 ) -> EncoderOptions | None:
     if not rules & {Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG, Rule.STALL_END}:
         return None
+    settings = facts.settings
     return EncoderOptions(
         scope,
         release_speculative_stalls=Rule.SPECULATIVE_STALL in rules,
@@ -136,10 +148,8 @@ def _encoder_carried(options: EncoderOptions) -> frozenset[Rule]:
     return frozenset(carried)
 
 
-def _update_options(
-    rules: frozenset[Rule], settings: Settings, family: Family, scope: ScopePolicy
-) -> EndOptions | None:
-    after = settings.end_stalls_after
+def _update_options(rules: frozenset[Rule], facts: Facts, scope: ScopePolicy) -> EndOptions | None:
+    after = facts.settings.end_stalls_after
     return EndOptions(after) if Rule.STALL_END in rules and after is not None else None
 
 
@@ -189,11 +199,9 @@ def plan(settings: Settings, family: Family, evidence: Evidence) -> Plan:
     return Plan(tuple(decided.values()))
 
 
-def options_for(
-    decided: Plan, settings: Settings, family: Family, scope: ScopePolicy
-) -> dict[str, Any]:
+def options_for(decided: Plan, facts: Facts, scope: ScopePolicy) -> dict[str, Any]:
     """Per rule-carrying method, its wrapper's options under ``decided`` (None: not wrapped)."""
-    return {spec.name: spec.options(decided.rules, settings, family, scope) for spec in METHODS}
+    return {spec.name: spec.options(decided.rules, facts, scope) for spec in METHODS}
 
 
 def carried_by(function: Any, name: str) -> frozenset[Rule]:

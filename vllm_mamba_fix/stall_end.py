@@ -50,10 +50,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba_fix import counters
-from vllm_mamba_fix._log import logger
+from vllm_mamba_fix._log import failure_reporter, logger
 from vllm_mamba_fix.stalls import Streak, ZeroStreaks
 from vllm_mamba_fix.targets import MARKER, UPDATE_METHOD
-from vllm_mamba_fix.wrappers import failure_reporter
 
 # Per scheduler instance: request id -> EndOrder, executed by the update wrapper.
 ORDERS_ATTR = "_vllm_mamba_fix_end_orders"
@@ -188,16 +187,20 @@ def make_update_from_output_wrapper(
         orders = self.__dict__.get(ORDERS_ATTR)
         ended: list[tuple[int, Any]] = []
         if orders:
-            try:
-                scheduled = scheduler_output.num_scheduled_tokens
-                for order in list(orders.values()):
+            pending = list(orders.values())
+            orders.clear()
+            scheduled = getattr(scheduler_output, "num_scheduled_tokens", {})
+            for order in pending:
+                try:
                     done = _end(self, order, scheduled)
-                    if done is not None:
-                        ended.append(done)
-            except Exception as exc:
-                fall_back(exc, None)
-            finally:
-                orders.clear()
+                except Exception as exc:
+                    done = None
+                    fall_back(exc, None)
+                if done is not None:
+                    ended.append(done)
+                else:
+                    # Not ended (it moved, or the end failed): a later 0 may order it again.
+                    order.streak.ordered = False
         outputs = original(self, scheduler_output, *args, **kwargs)
         if ended:
             try:

@@ -15,10 +15,10 @@ of its own into vLLM: vLLM's own exceptions propagate, the plugin's never do.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba_fix import counters, record
@@ -27,7 +27,6 @@ from vllm_mamba_fix.blocks import (
     BLOCK_ATTR,
     CACHE_CONFIG_ATTR,
     SPLIT_ATTR,
-    CacheConfigView,
     SplitState,
     settle_split,
 )
@@ -35,13 +34,16 @@ from vllm_mamba_fix.config import ENV_BLOCK_RULE
 from vllm_mamba_fix.decision import (
     Action,
     can_need_correction,
-    decide,
-    in_prefill_by_output_tokens,
-    in_prefill_by_position,
+    configured_floor_differs,
     tokens_to_next_boundary,
 )
-from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.stalls import REPEATED, ZeroStreaks, forget_request, split_moved, split_zero
+from vllm_mamba_fix.split_rule import WrapOptions, caches_no_state_at, make_corrector
+from vllm_mamba_fix.stalls import (
+    SPLIT_ZEROS,
+    forget_request,
+    split_moved,
+    split_zero,
+)
 from vllm_mamba_fix.targets import (
     EXTRA_COMPUTED_PARAMETERS,
     KNOWN_SPLIT_TRAILING_PARAMETERS,
@@ -49,26 +51,6 @@ from vllm_mamba_fix.targets import (
     SPLIT_LEADING_PARAMETERS,
     SPLIT_METHOD,
 )
-from vllm_mamba_fix.versions import PrefillGate
-
-# Requests the split wrapper remembers as zeroed; a bound like the streaks'.
-MAX_ZEROED = 4096
-
-
-@dataclass(frozen=True)
-class WrapOptions:
-    """Options of the split wrapper: which of its rules it carries."""
-
-    prefill_gate: PrefillGate
-    scope: ScopePolicy
-    # The split rule: collapse, re-align and encoder stop for in-scope requests.
-    deadlock_rules: bool = True
-    # The block-unit rule: vLLM's split asked in the cache's block where the sizes
-    # differ, and any request that starts mid-block re-aligned.
-    block_rule: bool = True
-    # Tests switch this off to show what the re-align rule prevents.
-    realign: bool = True
-
 
 # Methods with exactly the known trailing parameters get the fast wrapper, with no
 # *args/**kwargs forwarding (that alone costs about 0.6 us a call).
@@ -82,26 +64,6 @@ def _extra_computed_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int
     return extra
 
 
-def _encoder_input_starts_at(request: Any, position: int) -> bool:
-    """Whether an encoder input's placeholder starts at ``position``.
-
-    vLLM cuts a chunk there, less the cut shift, when that input cannot be scheduled.
-    """
-    return any(feature.mm_position.offset == position for feature in request.mm_features)
-
-
-def encoder_cut_shift(scheduler: Any) -> int:
-    """The tokens vLLM leaves before an encoder input it cannot schedule, as it computes them.
-
-    0.28+ pass ``num_prefill_lookahead`` (num_spec_tokens for multi-module
-    MTP); 0.15-0.27 pass ``1 if use_eagle else 0``.
-    """
-    lookahead = getattr(scheduler, "num_prefill_lookahead", None)
-    if lookahead is not None:
-        return int(lookahead)
-    return 1 if getattr(scheduler, "use_eagle", False) else 0
-
-
 def has_known_parameters(method: Callable[..., int]) -> bool:
     parameters = list(inspect.signature(method).parameters.values())[
         len(SPLIT_LEADING_PARAMETERS) :
@@ -111,74 +73,6 @@ def has_known_parameters(method: Callable[..., int]) -> bool:
     return names in (known[:2], known) and all(
         p.kind is p.POSITIONAL_OR_KEYWORD and p.default == 0 for p in parameters
     )
-
-
-Corrector = Callable[[Any, Any, int, int, int, int, tuple[Any, ...], dict[str, Any]], int]
-
-
-def _make_corrector(
-    original: Callable[..., int], options: WrapOptions, text_zeros: ZeroStreaks
-) -> Corrector:
-    """The rare path: decide, ask the scope hook, count and log.
-
-    ``text_zeros`` counts the 0s of text requests (scope all) at one position.
-    """
-    by_position = options.prefill_gate is PrefillGate.BEFORE_PREFILL_END
-    scope = options.scope
-    deadlock_rules = options.deadlock_rules
-    # Only the block-unit rule's re-align applies to a request the split rule leaves.
-    realign_others = options.block_rule and options.realign
-
-    def correct(
-        self: Any,
-        request: Any,
-        num_new_tokens: int,
-        stock: int,
-        start: int,
-        block_size: int,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> int:
-        ruled_out = not deadlock_rules or scope.rules_out(request)
-        if ruled_out and not realign_others:
-            return stock
-        in_prefill = (
-            in_prefill_by_position(start, request.num_prompt_tokens, request.num_tokens)
-            if by_position
-            else in_prefill_by_output_tokens(request.num_output_tokens)
-        )
-        if not in_prefill:
-            return stock
-        uncut = None
-        end = start + num_new_tokens
-        if (
-            not ruled_out
-            and stock < num_new_tokens
-            and _encoder_input_starts_at(request, end + encoder_cut_shift(self))
-        ):
-            # Ask vLLM where it would stop if the encoder had not cut the chunk.
-            reach = num_new_tokens + tokens_to_next_boundary(end, block_size)
-            uncut = original(self, request, reach, *args, **kwargs)
-        decision = decide(stock, num_new_tokens, start, block_size, True, uncut)
-        action = decision.action
-        if action is Action.UNCHANGED or (action is Action.REALIGNED and not options.realign):
-            return stock
-        if ruled_out or not scope.in_scope(request):
-            if action is Action.REALIGNED and realign_others:
-                counters.record(action, request.request_id, start, decision.num_tokens, block_size)
-                return decision.num_tokens
-            return stock
-        if action is Action.COLLAPSE_PREVENTED and not request.has_encoder_inputs:
-            # From 0.26 a 0 may be a one-step defer (the budget cannot fund a
-            # block); only one that repeats at the same position is a stall.
-            streak, _ = text_zeros.zero(request.request_id, start, 0.0)
-            if streak.steps < REPEATED:
-                return stock
-            text_zeros.clear(request.request_id)
-        counters.record(action, request.request_id, start, decision.num_tokens, block_size)
-        return decision.num_tokens
-
-    return correct
 
 
 def _given(local: int, external: int, uncached_common_prefix: int) -> tuple[int, ...]:
@@ -195,7 +89,15 @@ def _settle(scheduler: Any, options: WrapOptions) -> SplitState:
         on_built = getattr(type(scheduler).__init__, MARKER, None)
         if callable(on_built):
             on_built(scheduler)
-    state, unit = settle_split(scheduler, options.block_rule, ENV_BLOCK_RULE)
+    state, unit = settle_split(
+        scheduler, options.block_rule, ENV_BLOCK_RULE, options.advances_sub_block
+    )
+    # With the sizes agreeing, a call looks at nothing unless a rule of this class can act.
+    acts = options.deadlock_rules or options.hears_split_zeros
+    acts = acts or (options.block_rule and options.realign and options.realign_others)
+    if state.view is None and not (acts and state.size):
+        state = dataclasses.replace(state, quiet=True)
+        setattr(scheduler, SPLIT_ATTR, state)
     record.note_block_unit(type(scheduler), unit)
     return state
 
@@ -208,12 +110,26 @@ def settle_if_differs(scheduler: Any) -> None:
 
 
 def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable[..., int]:
-    """Wrap the split ``original``; vLLM's own exceptions propagate, the wrapper's never do."""
-    text_zeros = ZeroStreaks()
-    text_streaks = text_zeros.by_request
-    # Requests whose final answer was 0: told to the watchdog, untold when they move.
-    zeroed: dict[str, None] = {}
-    correct = _make_corrector(original, options, text_zeros)
+    """Wrap the split ``original``; vLLM's own exceptions propagate, the wrapper's never do.
+
+    Per call, cheapest first: a scheduler where no rule can act returns vLLM's answer
+    after one attribute read; a full chunk that starts on a boundary or stays in its
+    block, and a 0 no rule looks at, return after a few comparisons. Only a changed
+    chunk or a request with a pending 0 of its own reaches the corrector.
+    """
+    # Requests whose split 0 the watchdog heard (stalls.SPLIT_ZEROS): told when they move.
+    heard = SPLIT_ZEROS.by_request
+    hears = options.hears_split_zeros
+    # Whether a full chunk can need re-aligning: the split rule's own requests, or (where
+    # vLLM's split keeps a mid-block start misaligned) every request.
+    realign = options.realign and (
+        options.deadlock_rules or (options.block_rule and options.realign_others)
+    )
+    # A 0 only the split rule (collapse) or the watchdog looks at.
+    zeros_matter = options.deadlock_rules or hears
+    rules_out = options.scope.rules_out
+    absolute_end = options.absolute_end
+    correct = make_corrector(original, options)
     fall_back = failure_reporter("correction")
     settle_failed = failure_reporter("settling the split of a new scheduler")
 
@@ -222,22 +138,9 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
             return _settle(self, options)
         except Exception as exc:
             settle_failed(exc, None)
-            state = SplitState(0)  # stand down for this scheduler, once
+            state = SplitState(0, quiet=True)  # stand down for this scheduler, once
             setattr(self, SPLIT_ATTR, state)
             return state
-
-    def after(self: Any, request: Any, num_new_tokens: int, start: int, result: int) -> None:
-        """The watchdog hears of final 0s, and of the request moving again."""
-        rid = request.request_id
-        if result:
-            if rid in zeroed:
-                del zeroed[rid]
-                split_moved(rid)
-        elif num_new_tokens > 0:
-            zeroed[rid] = None
-            if len(zeroed) > MAX_ZEROED:
-                del zeroed[next(iter(zeroed))]
-            split_zero(self, request, start)
 
     def corrected(
         self: Any,
@@ -245,37 +148,77 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
         num_new_tokens: int,
         stock: int,
         start: int,
-        block_size: int,
+        state: SplitState,
         extra: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> int:
-        if stock and text_streaks and request.request_id in text_streaks:
-            text_zeros.clear(request.request_id)  # it moved: a later 0 starts afresh
-        if not block_size:
-            return stock  # the cache's block could not be read: stand down
-        if can_need_correction(stock, num_new_tokens, start, block_size):
-            stock = correct(self, request, num_new_tokens, stock, start, block_size, extra, kwargs)
-        if not stock or zeroed:
-            after(self, request, num_new_tokens, start, stock)
+        size = state.size
+        if can_need_correction(stock, num_new_tokens, start, size):
+            stock = correct(self, request, num_new_tokens, stock, start, size, state.beyond_chunk,
+                            extra, kwargs)  # fmt: skip
+        if stock:
+            if heard and request.request_id in heard:
+                split_moved(request.request_id)
+        elif hears and num_new_tokens > 0:
+            split_zero(self, request, start)
         return stock
 
-    def in_cache_block(
-        self: Any, view: CacheConfigView, request: Any, num_new_tokens: int, args: Any, kw: Any
+    def looked_at(request: Any, num_new_tokens: int, stock: int, start: int, size: int) -> bool:
+        """Whether a rule can act on this answer: else it is returned as it is."""
+        if stock == num_new_tokens:
+            if heard and request.request_id in heard:
+                return True
+            offset = start % size
+            return realign and offset != 0 and offset + stock > size
+        if not stock:
+            return zeros_matter and num_new_tokens > 0 and not rules_out(request)
+        return True
+
+    def engaged(
+        self: Any, state: SplitState, request: Any, num_new_tokens: int, args: Any, kw: Any
     ) -> int:
-        """The block-unit rule: vLLM's split, asked with the cache's block."""
-        configured = original(self, request, num_new_tokens, *args, **kw)
+        """The block-unit rule: vLLM's split, asked once with the cache's block."""
+        try:
+            start = request.num_computed_tokens + _extra_computed_tokens(args, kw)
+            past_prefill = start >= request.num_prompt_tokens and start >= request.num_tokens - 1
+        except Exception as exc:
+            fall_back(exc, None)
+            return original(self, request, num_new_tokens, *args, **kw)
+        if past_prefill:
+            # A decode: vLLM returns the tokens whole in either block.
+            return original(self, request, num_new_tokens, *args, **kw)
+        size = state.size
+        if state.starved:
+            # No chunk vLLM's split is asked for reaches the cache's block: its configured
+            # answer, stopped at the next cache boundary (stock's, where stock crosses none).
+            configured = original(self, request, num_new_tokens, *args, **kw)
+            try:
+                room = tokens_to_next_boundary(start, size)
+                stock = configured
+                if not caches_no_state_at(self, request, start + room, size):
+                    stock = min(configured, room)
+                if stock != configured:
+                    counters.record(Action.BLOCK_ALIGNED, request.request_id, start, stock, size)
+                if not looked_at(request, num_new_tokens, stock, start, size):
+                    return stock
+                return corrected(self, request, num_new_tokens, stock, start, state, args, kw)
+            except Exception as exc:
+                return fall_back(exc, configured)
         real = vars(self)[CACHE_CONFIG_ATTR]
-        self.cache_config = view
+        self.cache_config = state.view
         try:
             stock = original(self, request, num_new_tokens, *args, **kw)
-            start = request.num_computed_tokens + _extra_computed_tokens(args, kw)
             try:
-                if stock != configured:
-                    counters.record(
-                        Action.BLOCK_ALIGNED, request.request_id, start, stock, view.block_size
-                    )
-                return corrected(self, request, num_new_tokens, stock, start, view.block_size,
-                                 args, kw)  # fmt: skip
+                final = start + num_new_tokens >= max(
+                    request.num_prompt_tokens, request.num_tokens - 1
+                )
+                if configured_floor_differs(
+                    start, num_new_tokens, stock, state.configured, absolute_end, final
+                ):
+                    counters.record(Action.BLOCK_ALIGNED, request.request_id, start, stock, size)
+                if not looked_at(request, num_new_tokens, stock, start, size):
+                    return stock
+                return corrected(self, request, num_new_tokens, stock, start, state, args, kw)
             except Exception as exc:
                 return fall_back(exc, stock)
         finally:
@@ -294,8 +237,8 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
         except AttributeError:
             state = state_of(self)
         if state.view is not None:
-            return in_cache_block(
-                self, state.view, request, num_new_tokens,
+            return engaged(
+                self, state, request, num_new_tokens,
                 _given(num_new_local_computed_tokens, num_external_computed_tokens,
                        num_uncached_common_prefix_tokens), {},
             )  # fmt: skip
@@ -317,27 +260,33 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
                 num_external_computed_tokens,
                 num_uncached_common_prefix_tokens,
             )
+        if state.quiet:
+            return stock
         try:
+            # looked_at(), inlined for the common answers: this runs for every request
+            # on every step. A full chunk needs a look only for a pending 0 of its own
+            # or a mid-block crossing; a 0 only where a rule can act on it.
+            if stock == num_new_tokens:
+                if heard and request.request_id in heard:
+                    pass
+                elif not realign:
+                    return stock
+            elif not stock and not (zeros_matter and num_new_tokens > 0 and not rules_out(request)):
+                return stock
             block_size = state.size
             start = (
                 request.num_computed_tokens
                 + num_new_local_computed_tokens
                 + num_external_computed_tokens
             )
-            # can_need_correction(), inlined: this runs for every request on every step. Only
-            # this request's own 0s matter: another's (a budget's tail floored) must not slow it.
-            if stock == num_new_tokens and block_size:
-                offset = start % block_size
-                if not offset or offset + stock <= block_size:
-                    rid = request.request_id
-                    if rid not in zeroed and rid not in text_streaks:
-                        return stock
+            if not looked_at(request, num_new_tokens, stock, start, block_size):
+                return stock
             extra = _given(
                 num_new_local_computed_tokens,
                 num_external_computed_tokens,
                 num_uncached_common_prefix_tokens,
             )
-            return corrected(self, request, num_new_tokens, stock, start, block_size, extra, {})
+            return corrected(self, request, num_new_tokens, stock, start, state, extra, {})
         except Exception as exc:
             return fall_back(exc, stock)
 
@@ -347,11 +296,15 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
         except AttributeError:
             state = state_of(self)
         if state.view is not None:
-            return in_cache_block(self, state.view, request, num_new_tokens, args, kwargs)
+            return engaged(self, state, request, num_new_tokens, args, kwargs)
         stock = original(self, request, num_new_tokens, *args, **kwargs)
+        if state.quiet:
+            return stock
         try:
             start = request.num_computed_tokens + _extra_computed_tokens(args, kwargs)
-            return corrected(self, request, num_new_tokens, stock, start, state.size, args, kwargs)
+            if not looked_at(request, num_new_tokens, stock, start, state.size):
+                return stock
+            return corrected(self, request, num_new_tokens, stock, start, state, args, kwargs)
         except Exception as exc:
             return fall_back(exc, stock)
 

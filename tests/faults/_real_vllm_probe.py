@@ -107,7 +107,7 @@ def make_request(request_id: str, num_computed_tokens: int) -> Any:
         data=None,
         modality="image",
         identifier=f"img-{SENTINEL_TEXT}",
-        mm_position=PlaceholderRange(offset=1, length=256),
+        mm_position=PlaceholderRange(offset=100, length=256),
         mm_hash=f"hash-{SENTINEL_TEXT}",
     )
     request = Request(
@@ -140,6 +140,11 @@ def hygiene() -> None:
         scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
         hash_block_size=128,
         mamba_partial_cache_hit=False,
+        # An encoder cache smaller than the image: the cut at it never clears.
+        encoder_cache_manager=SimpleNamespace(
+            cache_size=64, num_free_slots=64, get_cached_input_ids=lambda request: set()
+        ),
+        max_num_encoder_input_tokens=64,
     )
     requests = [make_request("req-hyg-1", 0), make_request("req-hyg-2", 100)]
     stock = [scheduler.__dict__[METHOD](fake_self, requests[0], 100)]

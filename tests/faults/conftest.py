@@ -73,6 +73,8 @@ class Scheduler(SchedulerInterface):
         self.use_eagle = False
         self.encoder_cache_manager = EncoderCacheManager()
         self.encoder_blocked = False  # tests set it: no encoder input fits
+        # Below FakeRequest's image: a cut at it never clears, so the split rule corrects it.
+        self.max_num_encoder_input_tokens = 512
 
     def schedule(self):
         # The order that deadlocks (0.15-0.27): encoder budgeting, then the split.
@@ -125,6 +127,11 @@ FIXED_SCHEDULER = (
 assert "n = self._mamba" in FIXED_SCHEDULER and "spec_lookahead =" not in FIXED_SCHEDULER
 
 
+IMAGE_AT_100 = types.SimpleNamespace(
+    identifier="img-100", mm_position=types.SimpleNamespace(offset=100, length=900, is_embed=None)
+)
+
+
 class FakeRequest:
     """The attributes the wrapper reads from ``vllm.v1.request.Request``."""
 
@@ -141,7 +148,9 @@ class FakeRequest:
         self.num_tokens = num_prompt_tokens
         self.num_output_tokens = 0
         self.has_encoder_inputs = has_encoder_inputs
-        self.mm_features: list[Any] = []
+        # An image at token 100, larger than one step's encoder budget (the fake schedulers'
+        # 512): a chunk cut there is the deadlock the split rule corrects.
+        self.mm_features: list[Any] = [IMAGE_AT_100] if has_encoder_inputs else []
 
 
 # --------------------------------------------------------------------------- logs

@@ -78,18 +78,19 @@ def test_reads_only_its_own_variables(
     monkeypatch.setenv("VLLM_MAMBA_FIX_SCOPE", "all")
     monkeypatch.setenv("VLLM_PLUGINS", "mamba_fix")
     monkeypatch.setenv("HF_TOKEN", "hf_do_not_read_me")
-    scheduler_cls = fake_vllm().import_scheduler()
+    # 0.25: a split that floors every chunk of a block wider than its longest to 0.
+    scheduler_cls = fake_vllm("0.25.1").import_scheduler()
     recorder = RecordingEnviron(os.environ)
     monkeypatch.setattr(os, "environ", recorder)
 
     register()
     register()
     scheduler = scheduler_cls(BLOCK)
-    # Corrections: a collapse (first one loads the scope hooks), a text request in scope 'all'
-    # (corrected once its 0 repeats at the same position).
+    scheduler.max_num_scheduled_tokens = 100  # below the block: a text 0 never clears
+    # Corrections: a collapse at an image the encoder budget can never take (the first one
+    # loads the scope hooks), a text request in scope 'all' whose 0 never clears.
     assert scheduler._mamba_block_aligned_split(FakeRequest(), 100) == 100
     text = FakeRequest("text", has_encoder_inputs=False)
-    assert scheduler._mamba_block_aligned_split(text, 50) == 0
     assert scheduler._mamba_block_aligned_split(text, 50) == 50
     assert scheduler._mamba_block_aligned_split(Exception(), 100) == 0  # failure path
     unregister()
@@ -151,7 +152,8 @@ def test_logs_carry_no_prompt_content(
     corrected = 0
     for step, request_id in enumerate(["req-a", "req-a", "req-b"]):
         request = PromptRequest(request_id, num_computed_tokens=step * 40)
-        corrected += scheduler._mamba_block_aligned_split(request, 100) > 0
+        # Each chunk is cut at FakeRequest's image (token 100), which never fits.
+        corrected += scheduler._mamba_block_aligned_split(request, 100 - step * 40) > 0
     broken = PromptRequest("req-broken")
     del broken.num_prompt_tokens
     scheduler._mamba_block_aligned_split(broken, 100, 40)  # failure path

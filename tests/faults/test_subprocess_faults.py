@@ -140,7 +140,8 @@ def test_no_traceback_and_no_plugin_errors(real_vllm_probe: ProbeRun) -> None:
 def test_writes_no_files_opens_no_sockets(real_vllm_probe: ProbeRun) -> None:
     hygiene = real_vllm_probe.results()["hygiene"]
     assert hygiene["patched"] is True
-    # vLLM 0.27.1 itself floors this image chunk to 0; the plugin corrects it to 100.
+    # vLLM 0.27.1 itself floors this chunk, cut at an image the encoder cache can never
+    # hold, to 0; the plugin corrects it to 100.
     assert hygiene["stock"] == [0]
     assert hygiene["corrected"][0] == 100
     assert hygiene["vllm_error"] == "AttributeError"  # vLLM's error reached the caller

@@ -34,6 +34,10 @@ class Scheduler:
         group = SimpleNamespace(kv_cache_spec=MambaSpec(block_size))
         self.kv_cache_config = SimpleNamespace(kv_cache_groups=[group])
         self.to_raise = None
+        self.max_num_encoder_input_tokens = 512  # below FakeRequest's image
+        self.encoder_cache_manager = SimpleNamespace(
+            cache_size=1000, num_free_slots=1000, get_cached_input_ids=lambda request: set()
+        )
 
     def _mamba_block_aligned_split(
         self, request, num_new_tokens, num_new_local_computed_tokens=0,
@@ -189,21 +193,22 @@ def test_raising_scope_hook_falls_back_to_builtin(
     assert not [r for r in logs.records if r.levelno >= logging.ERROR]
 
 
-def test_scope_all_text_streak_ends_when_the_request_moves(
+def test_scope_all_corrects_a_text_zero_only_where_it_never_clears(
     fake_vllm: FakeFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A text request's one-step defer is remembered only until it gets tokens again."""
+    """A text request's 0 is a wait for budget unless the block exceeds the longest chunk."""
     from vllm_mamba_fix.stalls import tracked_requests
 
     monkeypatch.setenv("VLLM_MAMBA_FIX_SCOPE", "all")
-    scheduler = fake_vllm(scheduler=RAISING_SCHEDULER).import_scheduler()
+    # A release whose split floors every chunk of a block wider than its longest to 0.
+    scheduler = fake_vllm("0.25.1", scheduler=RAISING_SCHEDULER).import_scheduler()
     register()
-    instance = scheduler(BLOCK)
     text = FakeRequest("text", num_computed_tokens=BLOCK, has_encoder_inputs=False)
-    # Sub-block: stock floors it to 0; the first 0 at a position is a defer, left stock.
-    assert instance._mamba_block_aligned_split(text, BLOCK // 2) == 0
-    assert "text" in tracked_requests()
-    assert instance._mamba_block_aligned_split(text, 2 * BLOCK) == 2 * BLOCK  # it moves
+    waits = scheduler(BLOCK)
+    waits.max_num_scheduled_tokens = 8192  # a block's chunk fits: the 0 clears by itself
+    for _ in range(3):
+        assert waits._mamba_block_aligned_split(text, BLOCK // 2) == 0
+    never = scheduler(BLOCK)
+    never.max_num_scheduled_tokens = 100  # below the block: the 0 never clears
+    assert never._mamba_block_aligned_split(text, BLOCK // 2) == BLOCK // 2
     assert "text" not in tracked_requests()
-    # So a later first 0 at the same position is a defer again, not a correction.
-    assert instance._mamba_block_aligned_split(text, BLOCK // 2) == 0

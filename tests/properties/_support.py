@@ -438,7 +438,8 @@ TEXT_ACTIONS = frozenset({"block-aligned", "realigned"})
 
 def compare_with_stock(scenario: PropScenario, patched: Trace, stock: Trace) -> tuple[str, int]:
     """Invariant 3: out-of-scope requests get exactly stock's chunks, stock run with the
-    block pinned to the cache's (the block-unit rule's oracle).
+    block pinned to the cache's, or as configured where no chunk reaches the cache's block
+    (the block-unit rule's oracle, ``PropScenario.block_rule_reference``).
 
     The plugin only changes the return value of `_mamba_block_aligned_split`,
     the scheduler is deterministic, and under the default scope it never
@@ -536,7 +537,10 @@ def check_scenario(scenario: PropScenario, sched_mode: Mode = SYNC) -> None:
     bound = step_bound(scenario, sched_mode)
     with pa.stock():
         stock = pa.drive(
-            scenario.pinned, max_steps=bound + 2, stall_steps=STOCK_STALL_STEPS, mode=sched_mode
+            scenario.block_rule_reference,
+            max_steps=bound + 2,
+            stall_steps=STOCK_STALL_STEPS,
+            mode=sched_mode,
         )
     with pa.plugin_active() as mode:
         patched = pa.drive(scenario, max_steps=bound + 2, mode=sched_mode)

@@ -172,3 +172,21 @@ def test_support_names_what_is_missing() -> None:
     assert "has no update_from_output" in (stall_end.support(type("Bare", (), {})) or "")
     only_update = type("OnlyUpdate", (), {"update_from_output": lambda self: None})
     assert "has no finish_requests" in (stall_end.support(only_update) or "")
+
+
+def test_an_end_that_fails_for_one_order_leaves_every_order_of_the_step_orderable() -> None:
+    """0.4.0 stopped at the first failing order and cleared the rest with ``ordered`` still
+    set, so those stalls were never ordered again."""
+    pytest.importorskip("vllm.v1.engine")
+    wrapper, host, out = _wrapped(), _Host(), _Output()
+    host.requests = None  # type: ignore[assignment]  # every end fails to read it
+    orders = {
+        rid: stall_end.EndOrder(rid, 3, 3, stalls.ZeroStreaks(), Streak(3, 5, 0.0), "l", "m")
+        for rid in ("a", "b", "c")
+    }
+    for order in orders.values():
+        order.streak.ordered = True
+    host.__dict__[stall_end.ORDERS_ATTR] = dict(orders)
+    assert wrapper(host, out, "runner") == {"outputs": (out, "runner")}
+    assert not host.__dict__[stall_end.ORDERS_ATTR]
+    assert [o.streak.ordered for o in orders.values()] == [False, False, False]

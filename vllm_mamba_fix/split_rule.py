@@ -1,0 +1,168 @@
+"""The split rule's corrector: what the split wrapper does with an answer a rule acts on.
+
+:func:`make_corrector` builds the rare path of :mod:`vllm_mamba_fix.wrappers`: it asks
+:func:`vllm_mamba_fix.decision.decide` with the request's numbers, the scope hook, and
+counts and logs a correction. No vLLM import; the scheduler and request are vLLM's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_mamba_fix import counters
+from vllm_mamba_fix.decision import (
+    Action,
+    decide,
+    in_prefill_by_output_tokens,
+    in_prefill_by_position,
+    tokens_to_next_boundary,
+)
+from vllm_mamba_fix.encoder_facts import own_inputs_proof
+from vllm_mamba_fix.scope import ScopePolicy
+from vllm_mamba_fix.versions import PrefillGate
+
+
+@dataclass(frozen=True)
+class WrapOptions:
+    """Options of the split wrapper: which of its rules it carries."""
+
+    prefill_gate: PrefillGate
+    scope: ScopePolicy
+    # The split rule: collapse, re-align and encoder stop for in-scope requests.
+    deadlock_rules: bool = True
+    # The block-unit rule: vLLM's split asked in the cache's block where the sizes
+    # differ, and (where ``realign``) any request that starts mid-block re-aligned.
+    block_rule: bool = True
+    # Re-align a chunk of the split rule's own requests that starts mid-block and would
+    # cross the next boundary (tests switch it off to show what it prevents).
+    realign: bool = True
+    # The block-unit rule re-aligns every other request too: only where the release's
+    # split does not stop a mid-block chunk at the next boundary itself (0.15-0.25).
+    realign_others: bool = True
+    # The release's split floors the chunk's end (0.26+), not its length: how the
+    # block-unit rule's count tells a chunk it changed.
+    absolute_end: bool = False
+    # The release's split advances sub-block through a block wider than its longest chunk
+    # (0.27+); before, the block-unit rule schedules the configured answer there.
+    advances_sub_block: bool = True
+    # Tell the watchdog of final 0s: only where a split 0 can be an encoder stall (the
+    # class's schedule() budgets encoder inputs before the split) and the watchdog runs.
+    hears_split_zeros: bool = True
+
+
+def _encoder_input_starts_at(request: Any, position: int) -> bool:
+    """Whether an encoder input's placeholder starts at ``position``.
+
+    vLLM cuts a chunk there, less the cut shift, when that input cannot be scheduled.
+    """
+    return any(feature.mm_position.offset == position for feature in request.mm_features)
+
+
+def encoder_cut_shift(scheduler: Any) -> int:
+    """The tokens vLLM leaves before an encoder input it cannot schedule, as it computes them.
+
+    0.28+ pass ``num_prefill_lookahead`` (num_spec_tokens for multi-module
+    MTP); 0.15-0.27 pass ``1 if use_eagle else 0``.
+    """
+    lookahead = getattr(scheduler, "num_prefill_lookahead", None)
+    if lookahead is not None:
+        return int(lookahead)
+    return 1 if getattr(scheduler, "use_eagle", False) else 0
+
+
+Corrector = Callable[[Any, Any, int, int, int, int, bool, tuple[Any, ...], dict[str, Any]], int]
+
+
+def caches_no_state_at(scheduler: Any, request: Any, boundary: int, block_size: int) -> bool:
+    """Whether vLLM caches no Mamba state at ``boundary``: past the request's last full block,
+    one block less under EAGLE-type speculation (vLLM prunes the last matching block there),
+    so a chunk may cross it as stock's does."""
+    total = int(request.num_tokens)
+    last = total - total % block_size
+    if getattr(scheduler, "use_eagle", False):
+        last = max(last - block_size, 0)
+    return boundary > last
+
+
+def own_cut_never_clears(scheduler: Any, request: Any, position: int, block_size: int) -> bool:
+    """Whether the request, left at ``position`` by an encoder cut, can never get the
+    smallest chunk vLLM's split does not floor to 0, whatever other requests do: its own
+    encoder inputs do not fit together. Else the cut is a wait stock clears by itself."""
+    window_end = min((position // block_size + 1) * block_size, int(request.num_prompt_tokens))
+    return own_inputs_proof(scheduler, request, position, window_end) is not None
+
+
+def make_corrector(original: Callable[..., int], options: WrapOptions) -> Corrector:
+    """The rare path: decide, ask the scope hook, count and log.
+
+    The split rule acts only where stock's answer would never clear: an encoder cut the
+    request's own inputs keep in place, or a block beyond the longest chunk vLLM's split
+    is asked for (``beyond_chunk``). Every other short answer is a wait for budget or
+    for another request's cache space, and stays stock's.
+    """
+    by_position = options.prefill_gate is PrefillGate.BEFORE_PREFILL_END
+    scope = options.scope
+    deadlock_rules = options.deadlock_rules
+    # Only the block-unit rule's re-align applies to a request the split rule leaves.
+    realign_others = options.block_rule and options.realign and options.realign_others
+
+    def correct(
+        self: Any,
+        request: Any,
+        num_new_tokens: int,
+        stock: int,
+        start: int,
+        block_size: int,
+        beyond_chunk: bool,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> int:
+        ruled_out = not deadlock_rules or scope.rules_out(request)
+        if ruled_out and (not realign_others or not stock):
+            return stock  # re-aligning never touches a 0
+        in_prefill = (
+            in_prefill_by_position(start, request.num_prompt_tokens, request.num_tokens)
+            if by_position
+            else in_prefill_by_output_tokens(request.num_output_tokens)
+        )
+        if not in_prefill:
+            return stock
+        uncut = None
+        end = start + num_new_tokens
+        if not ruled_out and stock < num_new_tokens:
+            # vLLM cuts one look-ahead before the input; the speculative-stall rule's retry
+            # cuts at the input itself.
+            shift = encoder_cut_shift(self)
+            at_input = _encoder_input_starts_at(request, end + shift) or (
+                shift > 0 and _encoder_input_starts_at(request, end)
+            )
+            if at_input and (
+                beyond_chunk or own_cut_never_clears(self, request, start + stock, block_size)
+            ):
+                # Ask vLLM where it would stop if the encoder had not cut the chunk.
+                reach = num_new_tokens + tokens_to_next_boundary(end, block_size)
+                uncut = original(self, request, reach, *args, **kwargs)
+            elif not beyond_chunk:
+                if not stock or not realign_others:
+                    return stock  # a wait that clears: stock's answer
+                ruled_out = True  # only the re-align may still apply
+        decision = decide(stock, num_new_tokens, start, block_size, True, uncut)
+        action = decision.action
+        if action is Action.UNCHANGED:
+            return stock
+        if action is Action.REALIGNED and (
+            not options.realign
+            or caches_no_state_at(self, request, start + decision.num_tokens, block_size)
+        ):
+            return stock
+        if ruled_out or not scope.in_scope(request):
+            if action is Action.REALIGNED and realign_others:
+                counters.record(action, request.request_id, start, decision.num_tokens, block_size)
+                return decision.num_tokens
+            return stock
+        counters.record(action, request.request_id, start, decision.num_tokens, block_size)
+        return decision.num_tokens
+
+    return correct
