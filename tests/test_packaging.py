@@ -32,7 +32,7 @@ def test_version_has_one_source() -> None:
     project = _pyproject()["project"]
     assert "version" not in project and "version" in project["dynamic"]
     attr = _pyproject()["tool"]["setuptools"]["dynamic"]["version"]["attr"]
-    assert attr == "vllm_mamba_fix.__version__"
+    assert attr == "vllm_mamba_fix._version.__version__"
     assert artefacts.source_version() == vllm_mamba_fix.__version__
     installed = importlib.metadata.version("vllm-mamba-fix")
     assert installed == vllm_mamba_fix.__version__, (

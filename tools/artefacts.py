@@ -130,10 +130,10 @@ def check_wheel(wheel: Path, checks: Checks, version: str) -> None:
 
 def source_version(root: Path = REPO) -> str:
     """``__version__`` as written in the source tree, without importing the package."""
-    for line in (root / PACKAGE / "__init__.py").read_text().splitlines():
+    for line in (root / PACKAGE / "_version.py").read_text().splitlines():
         if line.startswith("__version__ = "):
             return line.split("=", 1)[1].strip().strip("\"'")
-    raise ValueError(f"no __version__ line in {root / PACKAGE / '__init__.py'}")
+    raise ValueError(f"no __version__ line in {root / PACKAGE / '_version.py'}")
 
 
 def contents(dist_dir: Path) -> Checks:

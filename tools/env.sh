@@ -10,7 +10,7 @@ stamp_file=$venv/.vllm-mamba-fix-stamp
 # The version line too: the editable install's metadata carries it (pyproject reads it from there).
 stamp="$vllm_pin $({
   cat "$root/pyproject.toml" "$root/tools/env.sh"
-  grep '^__version__' "$root/vllm_mamba_fix/__init__.py"
+  grep '^__version__' "$root/vllm_mamba_fix/_version.py"
 } | sha256sum | cut -c1-16)"
 
 if [[ -f $stamp_file && $(cat "$stamp_file") == "$stamp" ]]; then

@@ -51,6 +51,8 @@ py=$venv/bin/python
 phase lint
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
+# The import contracts in pyproject.toml: no cycle, plain-value modules stay plain.
+"$venv/bin/lint-imports" --no-cache >/dev/null || "$venv/bin/lint-imports" --no-cache
 
 # The wheel as users install it: built, twine-checked, installed (not editable) into its own
 # venv, where vLLM must load the plugin from it and be patched. One to three minutes.

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-# The one place the version is written: pyproject.toml reads it (setuptools dynamic version).
-__version__ = "0.4.0"
-
+# The version is written once, in _version.py, which pyproject.toml reads.
+from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.counters import stats
 from vllm_mamba_fix.plugin import register, unregister
 from vllm_mamba_fix.record import records

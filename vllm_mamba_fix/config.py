@@ -11,7 +11,7 @@ import enum
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 ENV_MODE = "VLLM_MAMBA_FIX"
 ENV_SCOPE = "VLLM_MAMBA_FIX_SCOPE"
@@ -38,6 +38,15 @@ class Mode(enum.Enum):
 class Scope(enum.Enum):
     MULTIMODAL = "multimodal"  # requests with encoder inputs
     ALL = "all"
+
+
+def builtin_in_scope(request: Any, scope: Scope) -> bool:
+    """The built-in rule: ``multimodal``, requests with encoder inputs; ``all``, every request.
+
+    The one copy: answered directly when no third-party rule is installed, and by
+    :class:`vllm_mamba_fix.hookspecs.BuiltinScope` as the hook's last impl otherwise.
+    """
+    return scope is Scope.ALL or bool(request.has_encoder_inputs)
 
 
 _MODE_VALUES: dict[str, Mode] = {

@@ -15,8 +15,7 @@ from typing import Any
 
 import pluggy
 
-from vllm_mamba_fix.config import Scope
-from vllm_mamba_fix.scope import builtin_in_scope
+from vllm_mamba_fix.config import Scope, builtin_in_scope
 
 PROJECT_NAME = "vllm_mamba_fix"
 ENTRY_POINT_GROUP = "vllm_mamba_fix.scope"

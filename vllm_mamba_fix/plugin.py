@@ -21,7 +21,6 @@ from types import ModuleType
 from typing import Any
 
 from vllm_mamba_fix import (
-    __version__,
     counters,
     import_hook,
     metrics,
@@ -31,6 +30,7 @@ from vllm_mamba_fix import (
     stream_end,
 )
 from vllm_mamba_fix._log import logger
+from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.blocks import BlockUnit, set_block_unit, unit_of_scheduler
 from vllm_mamba_fix.config import Settings, load_settings
 from vllm_mamba_fix.evidence import Evidence, read_evidence

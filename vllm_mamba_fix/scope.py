@@ -12,18 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.config import Scope
+from vllm_mamba_fix.config import Scope, builtin_in_scope
 
 ScopeHook = Callable[..., "bool | None"]
-
-
-def builtin_in_scope(request: Any, scope: Scope) -> bool:
-    """The built-in rule: ``multimodal``, requests with encoder inputs; ``all``, every request.
-
-    The one copy: answered directly when no third-party rule is installed, and by
-    :class:`vllm_mamba_fix.hookspecs.BuiltinScope` as the hook's last impl otherwise.
-    """
-    return scope is Scope.ALL or bool(request.has_encoder_inputs)
 
 
 def load_third_party_hook() -> ScopeHook | None:

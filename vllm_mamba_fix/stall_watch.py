@@ -210,3 +210,6 @@ def log_moving_again(request_id: str, position: int) -> None:
     logger.info(
         "vllm-mamba-fix: request %s moves again (was stalled at token %d)", request_id, position
     )
+
+
+stalls.listen(on_split_zero, lambda request_id: on_moved(stalls.SPLIT_ZEROS, request_id))

@@ -236,6 +236,19 @@ SPLIT_ZEROS = ZeroStreaks()
 _split_streaks = SPLIT_ZEROS.by_request
 
 
+# The watchdog's ears for the split's 0s; :mod:`vllm_mamba_fix.stall_watch` plugs them in
+# when it is imported. The data flows one way: the split wrapper tells, the watchdog listens,
+# the stall end acts, so this module imports neither.
+_on_split_zero: Callable[[Any, Any, int], None] | None = None
+_on_split_moved: Callable[[str], None] | None = None
+
+
+def listen(on_zero: Callable[[Any, Any, int], None], on_moved: Callable[[str], None]) -> None:
+    """Where the split's 0s and moves go (the watchdog, once it is imported)."""
+    global _on_split_zero, _on_split_moved
+    _on_split_zero, _on_split_moved = on_zero, on_moved
+
+
 def split_zero(scheduler: Any, request: Any, position: int) -> None:
     """The split's final answer was 0 for a prefill request that had tokens to give.
 
@@ -243,9 +256,8 @@ def split_zero(scheduler: Any, request: Any, position: int) -> None:
     as the encoder wrapper counts its own. Never raises.
     """
     try:
-        from vllm_mamba_fix import stall_watch
-
-        stall_watch.on_split_zero(scheduler, request, position)
+        if _on_split_zero is not None:
+            _on_split_zero(scheduler, request, position)
     except Exception:  # the watchdog must never break the split
         return
 
@@ -253,9 +265,7 @@ def split_zero(scheduler: Any, request: Any, position: int) -> None:
 def split_moved(request_id: str) -> None:
     """The split gave tokens to a request it had given 0: a stall there is over. Never raises."""
     try:
-        if _split_streaks and request_id in _split_streaks:
-            from vllm_mamba_fix import stall_watch
-
-            stall_watch.on_moved(SPLIT_ZEROS, request_id)
+        if _split_streaks and request_id in _split_streaks and _on_split_moved is not None:
+            _on_split_moved(request_id)
     except Exception:
         return

@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from vllm_mamba_fix import __version__
+from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.doctor.checks.speculative import parse_speculative_config
 from vllm_mamba_fix.doctor.core import run
 from vllm_mamba_fix.doctor.render import render_json, render_text
@@ -26,8 +26,9 @@ def _qualname(value: str) -> str:
 
 
 def build_parser(prog: str = "vllm-mamba-fix") -> argparse.ArgumentParser:
-    from vllm_mamba_fix import doctor
-
+    # The package's docstring is the command's description; the package is always imported
+    # before this submodule, so it is read from sys.modules rather than imported back.
+    doctor = sys.modules[__package__ or "vllm_mamba_fix.doctor"]
     parser = argparse.ArgumentParser(
         prog=prog, description="Tools for the vllm-mamba-fix vLLM plugin."
     )

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import vllm_mamba_fix
-from vllm_mamba_fix import __version__, record, rules
+from vllm_mamba_fix import record, rules
+from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.config import ENV_MODE, Mode, Settings, load_settings
 from vllm_mamba_fix.doctor import problems, verdict
 from vllm_mamba_fix.doctor.checks.entry_point import check_entry_point

@@ -7,7 +7,8 @@ import sys
 from typing import Any
 
 import vllm_mamba_fix
-from vllm_mamba_fix import __version__, plugin
+from vllm_mamba_fix import plugin
+from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.config import PLUGIN_NAME
 from vllm_mamba_fix.doctor.report import Report, one_line
 
