@@ -120,8 +120,8 @@ class SplitState:
     # for (budget, long_prefill_token_threshold): a split without the 0.27 sub-block
     # exemption floors every chunk but a prompt's last to 0 there, so its 0s never clear.
     beyond_chunk: bool = False
-    # Engaged, and the cache's block exceeds that longest chunk: vLLM's configured answer,
-    # stopped at the next cache boundary, is the chunk.
+    # Engaged, and the cache's block exceeds that longest chunk but the configured one does
+    # not: vLLM's configured answer, stopped at the next cache boundary, is the chunk.
     starved: bool = False
     # Nothing a call can need when the view is not engaged: return vLLM's answer.
     quiet: bool = False
@@ -231,7 +231,7 @@ def settle_split(
     # Every release: a split asked in a block no chunk reaches floors all but a prompt's last
     # chunk to 0 (0.15-0.26) or advances sub-block (0.27+); stock's configured answer,
     # stopped at the cache's boundary, is right in both and is what stock schedules.
-    starved = view is not None and longest is not None and size > longest
+    starved = view is not None and longest is not None and configured_size <= longest < size
     # The block the answer the split rule sees is floored to: the configured one if starved.
     # ``advances_sub_block`` (0.27+): no 0 of that floor lasts.
     floored = configured_size if starved else size
