@@ -17,6 +17,7 @@ import os
 import platform
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -92,7 +93,8 @@ def _prepare_overlay() -> str:
     return releases.pythonpath_for(sched_steps.ARMS["upstream"]["release"])
 
 
-def collect(profile: str) -> dict[str, Any]:
+def collect(profile: str, jobs_at_once: int = 2) -> dict[str, Any]:
+    """Every section; ``jobs_at_once`` workers at a time (1: the timed sections run alone)."""
     timeouts = TIMEOUTS[profile]
     full = profile == "full"
     started = time.monotonic()
@@ -102,8 +104,17 @@ def collect(profile: str) -> dict[str, Any]:
     # Installed wheels ship bytecode; a checkout may not have it (PYTHONDONTWRITEBYTECODE), and
     # compiling the plugin's sources would then be timed as start-up cost.
     compileall.compile_dir(str(REPO / "vllm_mamba_fix"), quiet=1)
+    # The 1-minute load average every 30 s: the machine is shared, so the table says how.
+    samples: list[float] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(30.0):
+            samples.append(round(os.getloadavg()[0], 2))
+
+    threading.Thread(target=sample, daemon=True).start()
     jobs: dict[str, Future[Any]] = {}
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, jobs_at_once)) as pool:
         jobs["main"] = pool.submit(_guard, _main_worker, profile, timeouts["main"])
         jobs["upstream"] = pool.submit(_guard, _upstream_worker, profile, timeouts["upstream"])
         if full:
@@ -121,6 +132,9 @@ def collect(profile: str) -> dict[str, Any]:
     if isinstance(prepared, dict) and "error" in prepared:
         results["upstream"] = prepared
     results["meta"] = _machine(profile, time.monotonic() - started, load_before)
+    done.set()
+    results["meta"]["jobs"] = jobs_at_once
+    results["meta"]["loadavg_during"] = samples
     return results
 
 
@@ -501,12 +515,20 @@ def _startup_and_e2e_rows(results: dict[str, Any], row: Any) -> None:
 # --------------------------------------------------------------------------- output
 
 
+def _load_during(meta: dict[str, Any]) -> str:
+    samples = meta.get("loadavg_during") or []
+    if not samples:
+        return ""
+    return f", {min(samples)}-{max(samples)} during (1-minute, every 30 s)"
+
+
 def markdown(analysis: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [
         f"Benchmarks: `python -m benchmarks.run --profile {meta['profile']}`, {meta['date']}, "
         f"{meta['machine']}; Python {meta['python']}, vLLM {meta['vllm']}, vllm-mamba-fix "
         f"{meta['plugin']}; load average {meta['loadavg_before'][0]} before, "
-        f"{meta['loadavg_after'][0]} after; {meta['seconds']:.0f} s.",
+        f"{meta['loadavg_after'][0]} after{_load_during(meta)}; {meta.get('jobs', 2)} "
+        f"worker(s) at once; {meta['seconds']:.0f} s.",
         "",
         "| section | measure | result | target | met |",
         "|---|---|---|---|---|",
@@ -593,6 +615,8 @@ def console_table(analysis: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", choices=("smoke", "full"), default="full")
+    parser.add_argument("-j", "--jobs", type=int, default=2,
+                        help="benchmark workers at once (1: the hot path runs alone)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "latest",
                         help="results path without suffix (.json and .md are written)")  # fmt: skip
     parser.add_argument("--render", type=Path, metavar="JSON",
@@ -611,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupted)
     signal.signal(signal.SIGINT, interrupted)
     print(f"benchmarks: {args.profile} profile ...", file=sys.stderr, flush=True)
-    results = collect(args.profile)
+    results = collect(args.profile, args.jobs)
     analysis = analyse(results)
     md = markdown(analysis, results["meta"])
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,11 +7,13 @@ counts and logs a correction. No vLLM import; the scheduler and request are vLLM
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba_fix import counters
+from vllm_mamba_fix.config import Scope
 from vllm_mamba_fix.decision import (
     Action,
     decide,
@@ -21,6 +23,11 @@ from vllm_mamba_fix.decision import (
 )
 from vllm_mamba_fix.encoder_facts import own_inputs_proof
 from vllm_mamba_fix.scope import ScopePolicy
+from vllm_mamba_fix.targets import (
+    EXTRA_COMPUTED_PARAMETERS,
+    KNOWN_SPLIT_TRAILING_PARAMETERS,
+    SPLIT_LEADING_PARAMETERS,
+)
 from vllm_mamba_fix.versions import PrefillGate
 
 
@@ -50,6 +57,48 @@ class WrapOptions:
     # Tell the watchdog of final 0s: only where a split 0 can be an encoder stall (the
     # class's schedule() budgets encoder inputs before the split) and the watchdog runs.
     hears_split_zeros: bool = True
+
+
+# The fast split wrapper's default for a trailing argument its caller left out: methods with
+# exactly the known trailing parameters get a wrapper with no *args/**kwargs forwarding
+# (that alone costs about 0.6 us a call).
+NOT_GIVEN: Any = object()
+
+
+def given_arguments(local: int, external: int, uncached_common_prefix: int) -> tuple[int, ...]:
+    """The fast wrapper's trailing arguments, as the caller gave them."""
+    if uncached_common_prefix is NOT_GIVEN:
+        return (local, external)
+    return (local, external, uncached_common_prefix)
+
+
+def extra_computed_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    extra = sum(args[: len(EXTRA_COMPUTED_PARAMETERS)])
+    for name in EXTRA_COMPUTED_PARAMETERS[len(args) :]:
+        extra += kwargs.get(name, 0)
+    return extra
+
+
+def has_known_parameters(method: Callable[..., int]) -> bool:
+    parameters = list(inspect.signature(method).parameters.values())[
+        len(SPLIT_LEADING_PARAMETERS) :
+    ]
+    names = tuple(p.name for p in parameters)
+    known = KNOWN_SPLIT_TRAILING_PARAMETERS
+    return names in (known[:2], known) and all(
+        p.kind is p.POSITIONAL_OR_KEYWORD and p.default == 0 for p in parameters
+    )
+
+
+def builtin_scope(scope: Any) -> Scope | None:
+    """The scope ``scope.rules_out()`` answers by the built-in rule alone (no third-party
+    hook loaded), or None where it must be asked. Loads the hook first, as rules_out() does."""
+    if not isinstance(scope, ScopePolicy) or type(scope).rules_out is not ScopePolicy.rules_out:
+        return None  # another rules_out(): ask it
+    scope.load()
+    scoped = getattr(scope, "scope", None)
+    alone = getattr(scope, "_loaded", False) is True and getattr(scope, "_hook", 0) is None
+    return scoped if alone and isinstance(scoped, Scope) else None
 
 
 def _encoder_input_starts_at(request: Any, position: int) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -30,14 +29,23 @@ from vllm_mamba_fix.blocks import (
     SplitState,
     settle_split,
 )
-from vllm_mamba_fix.config import ENV_BLOCK_RULE
+from vllm_mamba_fix.config import ENV_BLOCK_RULE, Scope
 from vllm_mamba_fix.decision import (
     Action,
     can_need_correction,
     configured_floor_differs,
     tokens_to_next_boundary,
 )
-from vllm_mamba_fix.split_rule import WrapOptions, caches_no_state_at, make_corrector
+from vllm_mamba_fix.split_rule import (
+    NOT_GIVEN,
+    WrapOptions,
+    builtin_scope,
+    caches_no_state_at,
+    extra_computed_tokens,
+    given_arguments,
+    has_known_parameters,
+    make_corrector,
+)
 from vllm_mamba_fix.stalls import (
     SPLIT_ZEROS,
     forget_request,
@@ -45,41 +53,9 @@ from vllm_mamba_fix.stalls import (
     split_zero,
 )
 from vllm_mamba_fix.targets import (
-    EXTRA_COMPUTED_PARAMETERS,
-    KNOWN_SPLIT_TRAILING_PARAMETERS,
     MARKER,
-    SPLIT_LEADING_PARAMETERS,
     SPLIT_METHOD,
 )
-
-# Methods with exactly the known trailing parameters get the fast wrapper, with no
-# *args/**kwargs forwarding (that alone costs about 0.6 us a call).
-_NOT_GIVEN: Any = object()
-
-
-def _extra_computed_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    extra = sum(args[: len(EXTRA_COMPUTED_PARAMETERS)])
-    for name in EXTRA_COMPUTED_PARAMETERS[len(args) :]:
-        extra += kwargs.get(name, 0)
-    return extra
-
-
-def has_known_parameters(method: Callable[..., int]) -> bool:
-    parameters = list(inspect.signature(method).parameters.values())[
-        len(SPLIT_LEADING_PARAMETERS) :
-    ]
-    names = tuple(p.name for p in parameters)
-    known = KNOWN_SPLIT_TRAILING_PARAMETERS
-    return names in (known[:2], known) and all(
-        p.kind is p.POSITIONAL_OR_KEYWORD and p.default == 0 for p in parameters
-    )
-
-
-def _given(local: int, external: int, uncached_common_prefix: int) -> tuple[int, ...]:
-    """The fast wrapper's trailing arguments, as the caller gave them."""
-    if uncached_common_prefix is _NOT_GIVEN:
-        return (local, external)
-    return (local, external, uncached_common_prefix)
 
 
 def _settle(scheduler: Any, options: WrapOptions) -> SplitState:
@@ -127,7 +103,25 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
     )
     # A 0 only the split rule (collapse) or the watchdog looks at.
     zeros_matter = options.deadlock_rules or hears
-    rules_out = options.scope.rules_out
+    scope = options.scope
+    rules_out = scope.rules_out
+    # The scope, settled at the first 0 a rule may look at: with no third-party scope hook
+    # (the usual case) rules_out() is the built-in rule, answered here without two calls.
+    builtin: Scope | None = None
+    hooked = False  # settled, and rules_out() must be asked
+
+    def zero_ruled_out(request: Any) -> bool:
+        """``scope.rules_out(request)``, answered directly where only the built-in rule runs."""
+        nonlocal builtin, hooked
+        if builtin is None and not hooked:
+            builtin = builtin_scope(scope)
+            hooked = builtin is None
+        if builtin is Scope.MULTIMODAL:
+            return not request.has_encoder_inputs
+        if builtin is Scope.ALL:
+            return False
+        return rules_out(request)
+
     absolute_end = options.absolute_end
     correct = make_corrector(original, options)
     fall_back = failure_reporter("correction")
@@ -171,22 +165,36 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
             offset = start % size
             return realign and offset != 0 and offset + stock > size
         if not stock:
-            return zeros_matter and num_new_tokens > 0 and not rules_out(request)
+            return zeros_matter and num_new_tokens > 0 and not zero_ruled_out(request)
         return True
 
     def engaged(
         self: Any, state: SplitState, request: Any, num_new_tokens: int, args: Any, kw: Any
     ) -> int:
-        """The block-unit rule: vLLM's split, asked once with the cache's block."""
+        """The block-unit rule, any signature: a decode is vLLM's answer, a prefill
+        :func:`engaged_prefill`'s."""
         try:
-            start = request.num_computed_tokens + _extra_computed_tokens(args, kw)
-            past_prefill = start >= request.num_prompt_tokens and start >= request.num_tokens - 1
+            start = request.num_computed_tokens + extra_computed_tokens(args, kw)
+            # past the prefill: start >= num_prompt_tokens and start >= num_tokens - 1
+            prefill = not (request.num_prompt_tokens <= start >= request.num_tokens - 1)
         except Exception as exc:
             fall_back(exc, None)
-            return original(self, request, num_new_tokens, *args, **kw)
-        if past_prefill:
+            prefill = False
+        if not prefill:
             # A decode: vLLM returns the tokens whole in either block.
             return original(self, request, num_new_tokens, *args, **kw)
+        return engaged_prefill(self, state, request, num_new_tokens, start, args, kw)
+
+    def engaged_prefill(
+        self: Any,
+        state: SplitState,
+        request: Any,
+        num_new_tokens: int,
+        start: int,
+        args: Any,
+        kw: Any,
+    ) -> int:
+        """The block-unit rule on a prefill: vLLM's split, asked once with the cache's block."""
         size = state.size
         if state.starved:
             # No chunk vLLM's split is asked for reaches the cache's block: its configured
@@ -209,15 +217,26 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
         try:
             stock = original(self, request, num_new_tokens, *args, **kw)
             try:
-                final = start + num_new_tokens >= max(
-                    request.num_prompt_tokens, request.num_tokens - 1
-                )
-                if configured_floor_differs(
-                    start, num_new_tokens, stock, state.configured, absolute_end, final
+                # A 0 is no changed chunk (configured_floor_differs), so only a chunk asks.
+                if stock > 0:
+                    end = start + num_new_tokens
+                    # The chunk reaches the end of prefill, which no release floors.
+                    final = end >= request.num_prompt_tokens and end >= request.num_tokens - 1
+                    if configured_floor_differs(
+                        start, num_new_tokens, stock, state.configured, absolute_end, final
+                    ):
+                        counters.record(
+                            Action.BLOCK_ALIGNED, request.request_id, start, stock, size
+                        )
+                elif stock == 0 != num_new_tokens and (
+                    not zeros_matter
+                    or num_new_tokens <= 0
+                    or (builtin is Scope.MULTIMODAL and not request.has_encoder_inputs)
                 ):
-                    counters.record(Action.BLOCK_ALIGNED, request.request_id, start, stock, size)
+                    return stock  # looked_at(), inlined for a 0 no rule can act on
                 if not looked_at(request, num_new_tokens, stock, start, size):
                     return stock
+                # Still through the view: the corrector may ask vLLM's split again.
                 return corrected(self, request, num_new_tokens, stock, start, state, args, kw)
             except Exception as exc:
                 return fall_back(exc, stock)
@@ -230,20 +249,34 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
         num_new_tokens: int,
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
-        num_uncached_common_prefix_tokens: int = _NOT_GIVEN,
+        num_uncached_common_prefix_tokens: int = NOT_GIVEN,
     ) -> int:
         try:
             state = self._vllm_mamba_fix_split  # blocks.SPLIT_ATTR
         except AttributeError:
             state = state_of(self)
-        if state.view is not None:
-            return engaged(
-                self, state, request, num_new_tokens,
-                _given(num_new_local_computed_tokens, num_external_computed_tokens,
-                       num_uncached_common_prefix_tokens), {},
-            )  # fmt: skip
+        view = state.view
+        if view is not None:
+            # engaged(), inlined for this signature: a decode is one comparison away from
+            # vLLM's own answer (no view, no second ask).
+            try:
+                start = (
+                    request.num_computed_tokens
+                    + num_new_local_computed_tokens
+                    + num_external_computed_tokens
+                )
+                prefill = not (request.num_prompt_tokens <= start >= request.num_tokens - 1)
+            except Exception as exc:
+                fall_back(exc, None)
+                prefill = False
+            if prefill:
+                return engaged_prefill(
+                    self, state, request, num_new_tokens, start,
+                    given_arguments(num_new_local_computed_tokens, num_external_computed_tokens,
+                           num_uncached_common_prefix_tokens), {},
+                )  # fmt: skip
         # Positional forwarding: star-unpacking here would cost more than the rest.
-        if num_uncached_common_prefix_tokens is _NOT_GIVEN:
+        if num_uncached_common_prefix_tokens is NOT_GIVEN:
             stock = original(
                 self,
                 request,
@@ -260,28 +293,41 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
                 num_external_computed_tokens,
                 num_uncached_common_prefix_tokens,
             )
-        if state.quiet:
+        if state.quiet or view is not None:  # nothing to look at, or an engaged decode
             return stock
         try:
             # looked_at(), inlined for the common answers: this runs for every request
             # on every step. A full chunk needs a look only for a pending 0 of its own
             # or a mid-block crossing; a 0 only where a rule can act on it.
             if stock == num_new_tokens:
-                if heard and request.request_id in heard:
-                    pass
-                elif not realign:
+                if not heard or request.request_id not in heard:
+                    if not realign:
+                        return stock
+                    size = state.size
+                    offset = (
+                        request.num_computed_tokens
+                        + num_new_local_computed_tokens
+                        + num_external_computed_tokens
+                    ) % size
+                    if not offset or offset + stock <= size:
+                        return stock
+            elif not stock:
+                # A 0 no rule can act on: one out of scope (a budget-starved text prefill).
+                if not zeros_matter or num_new_tokens <= 0:
                     return stock
-            elif not stock and not (zeros_matter and num_new_tokens > 0 and not rules_out(request)):
-                return stock
-            block_size = state.size
+                if builtin is Scope.MULTIMODAL:
+                    if not request.has_encoder_inputs:
+                        return stock
+                elif zero_ruled_out(request):
+                    return stock
             start = (
                 request.num_computed_tokens
                 + num_new_local_computed_tokens
                 + num_external_computed_tokens
             )
-            if not looked_at(request, num_new_tokens, stock, start, block_size):
+            if not looked_at(request, num_new_tokens, stock, start, state.size):
                 return stock
-            extra = _given(
+            extra = given_arguments(
                 num_new_local_computed_tokens,
                 num_external_computed_tokens,
                 num_uncached_common_prefix_tokens,
@@ -301,7 +347,7 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
         if state.quiet:
             return stock
         try:
-            start = request.num_computed_tokens + _extra_computed_tokens(args, kwargs)
+            start = request.num_computed_tokens + extra_computed_tokens(args, kwargs)
             if not looked_at(request, num_new_tokens, stock, start, state.size):
                 return stock
             return corrected(self, request, num_new_tokens, stock, start, state, args, kwargs)
