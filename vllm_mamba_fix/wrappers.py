@@ -196,9 +196,10 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
     ) -> int:
         """The block-unit rule on a prefill: vLLM's split, asked once with the cache's block."""
         size = state.size
-        if state.starved:
-            # No chunk vLLM's split is asked for reaches the cache's block: its configured
-            # answer, stopped at the next cache boundary (stock's, where stock crosses none).
+        if state.starved and num_new_tokens < size:
+            # The longest chunk is shorter than the cache's block, and so is this one (0.34
+            # lifts the threshold for a request alone): vLLM's configured answer, stopped at
+            # the next cache boundary (stock's, where stock crosses none).
             configured = original(self, request, num_new_tokens, *args, **kw)
             try:
                 room = tokens_to_next_boundary(start, size)

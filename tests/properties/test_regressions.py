@@ -138,7 +138,8 @@ def test_regression_examples(sched_mode: Mode, scenario: PropScenario) -> None:
                 assert mine == chunks
             else:
                 assert [c for c in mine if c[0] < horizon] == [c for c in chunks if c[0] < horizon]
-        assert patched.result.violations(scenario.block_size) == []
+        # No violation, but vLLM's own past its last cacheable boundary under EAGLE.
+        check_aligned(scenario, patched, sched_mode)
         return
     check_scenario(scenario, sched_mode)
 
