@@ -42,12 +42,6 @@ _logged_requests: OrderedDict[str, None] = OrderedDict()
 _summary_pid: int | None = None
 
 
-def prepare_metrics() -> None:
-    """Every /metrics series at 0 before the first correction (alerts need them to exist)."""
-    if metrics is not None:
-        metrics.prepare()
-
-
 def stats() -> dict[str, int]:
     """This process's counters (facts such as the block unit: :func:`vllm_mamba_fix.records`)."""
     with _lock:
