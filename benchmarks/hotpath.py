@@ -398,8 +398,10 @@ def micro_bench(repeats: int, target_ns: int) -> dict[str, Any]:
         for name, case in _micro_cases(harness).items():
             wrapper, original = installed[case.method]
             setattr(cls, case.method, original)
+            vars(scheduler).pop(METHOD, None)
             stock_result = getattr(scheduler, case.method)(*case.args)
             setattr(cls, case.method, wrapper)
+            vars(scheduler).pop(METHOD, None)
             patched_result = getattr(scheduler, case.method)(*case.args)
             loops = _calibrate(scheduler, case, target_ns)
             arms: dict[str, Callable[..., Any]] = {"original": original, "wrapper": wrapper}
@@ -419,6 +421,8 @@ def micro_bench(repeats: int, target_ns: int) -> dict[str, Any]:
                 shift = i % len(order)
                 for arm, method in order[shift:] + order[:shift]:
                     setattr(cls, case.method, method)
+                    # The wrapper's own paths: no bypass bound by an earlier call.
+                    vars(scheduler).pop(METHOD, None)
                     bound = getattr(scheduler, case.method)
                     gc.disable()
                     elapsed = _loop(bound, case.args, loops)
@@ -589,6 +593,8 @@ def text_step_bench(rounds: int, steps: int) -> dict[str, Any]:
             owner = {name: harnesses[(i + r) % len(names)] for i, name in enumerate(names)}
             sinks: dict[str, list[int]] = {name: [] for name in names}
             for name in names:
+                if name != "plugin":  # built with the plugin: its bypass would skip the arm
+                    vars(owner[name].scheduler).pop(METHOD, None)
                 _timed_step(owner[name].scheduler, sinks[name])
             running.append(len(harnesses[0].scheduler.running))
             for s in range(steps):

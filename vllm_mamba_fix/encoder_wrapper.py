@@ -1,7 +1,8 @@
 """The wrapper of ``Scheduler._try_schedule_encoder_inputs``: the speculative-stall rule,
 the stall watchdog and the stall end's decision (:mod:`vllm_mamba_fix.stall_end` ends the
 request). Only a result of 0 tokens is looked at; every other call returns vLLM's result
-after one dict check.
+after two dict checks (the second arms the split wrapper for this request where text
+requests bypass it).
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from typing import Any
 
 from vllm_mamba_fix import counters, stall_watch, stalls
 from vllm_mamba_fix._log import failure_reporter
-from vllm_mamba_fix.blocks import block_size_of
+from vllm_mamba_fix.blocks import ARM_ATTR, block_size_of
 from vllm_mamba_fix.decision import Action, speculative_stall_release, unshifted_cut_needed
 from vllm_mamba_fix.scope import ScopePolicy
 from vllm_mamba_fix.stall_watch import log_moving_again
 from vllm_mamba_fix.stalls import REPEATED, ZeroStreaks, watchdog_due
-from vllm_mamba_fix.targets import MARKER
+from vllm_mamba_fix.targets import MARKER, SPLIT_METHOD
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,10 @@ def make_encoder_wrapper(
             shift_computed_tokens,
         )
         try:
+            namespace = self.__dict__
+            if ARM_ATTR in namespace:
+                # This request's split meets the split wrapper (blocks.with_bypass).
+                namespace.pop(SPLIT_METHOD, None)
             if result[1] or not num_new_tokens:
                 if streaks and request.request_id in streaks:
                     on_progress(request)

@@ -12,8 +12,9 @@ Two moments:
   (a :class:`~vllm_mamba_fix.record.MethodRecord`), and plugin records it.
 
 Every change is logged in one list, so :func:`undo` restores exactly what was
-there (a method the class did not define is deleted again). Idempotent: a
-method that already resolves to a wrapper is not wrapped twice.
+there (a method the class did not define is deleted again), and drops every scheduler's
+bound bypass of the split wrapper (``blocks.with_bypass``) on the classes it touches.
+Idempotent: a method that already resolves to a wrapper is not wrapped twice.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba_fix import rules
+from vllm_mamba_fix.blocks import drop_bypasses
 from vllm_mamba_fix.encoder_wrapper import EncoderOptions, make_encoder_wrapper
 from vllm_mamba_fix.evidence import defining_class
 from vllm_mamba_fix.record import MethodRecord, MethodState, class_name
@@ -76,6 +78,8 @@ def _set(cls: type, name: str, value: Any) -> None:
     with _lock:
         _changes.append(_Change(cls, name, cls.__dict__.get(name, _MISSING), value))
         setattr(cls, name, value)
+    # A scheduler bound to vLLM's split past the old wrapper meets the new one.
+    drop_bypasses(cls)
 
 
 def _wrap(name: str, original: Callable[..., Any], options: Any) -> Any:
@@ -234,6 +238,8 @@ def undo(cls: type | None = None) -> bool:
                 delattr(change.cls, change.name)
         else:
             setattr(change.cls, change.name, change.previous)
+    for changed in dict.fromkeys(c.cls for c in changes):
+        drop_bypasses(changed)
     return bool(changes)
 
 

@@ -37,9 +37,9 @@ from vllm_mamba_fix.evidence import Evidence, read_evidence
 from vllm_mamba_fix.policy import Facts, Plan, Preflight, Rule, preflight
 from vllm_mamba_fix.record import ClassRecord, MethodRecord, MethodState, class_name
 from vllm_mamba_fix.scope import ScopePolicy
+from vllm_mamba_fix.split_settle import settle_if_differs
 from vllm_mamba_fix.targets import FREE_REQUEST_METHOD, INIT_METHOD, SCHEDULER_CLASS, SPLIT_METHOD
 from vllm_mamba_fix.versions import Family, family_for
-from vllm_mamba_fix.wrappers import settle_if_differs
 
 _lock = threading.RLock()
 _said: set[str] = set()  # lines logged once per process

@@ -15,21 +15,14 @@ of its own into vLLM: vLLM's own exceptions propagate, the plugin's never do.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
-from vllm_mamba_fix import counters, record
+from vllm_mamba_fix import counters
 from vllm_mamba_fix._log import failure_reporter
-from vllm_mamba_fix.blocks import (
-    BLOCK_ATTR,
-    CACHE_CONFIG_ATTR,
-    SPLIT_ATTR,
-    SplitState,
-    settle_split,
-)
-from vllm_mamba_fix.config import ENV_BLOCK_RULE, Scope
+from vllm_mamba_fix.blocks import CACHE_CONFIG_ATTR, SPLIT_ATTR, SplitState
+from vllm_mamba_fix.config import Scope
 from vllm_mamba_fix.decision import (
     Action,
     can_need_correction,
@@ -46,43 +39,14 @@ from vllm_mamba_fix.split_rule import (
     has_known_parameters,
     make_corrector,
 )
+from vllm_mamba_fix.split_settle import settle
 from vllm_mamba_fix.stalls import (
     SPLIT_ZEROS,
     forget_request,
     split_moved,
     split_zero,
 )
-from vllm_mamba_fix.targets import (
-    MARKER,
-    SPLIT_METHOD,
-)
-
-
-def _settle(scheduler: Any, options: WrapOptions) -> SplitState:
-    """The first split of ``scheduler``: meet it if it was built before the patch, then settle."""
-    if getattr(scheduler, BLOCK_ATTR, None) is None:
-        # Built before the plugin loaded: run the per-construction check now.
-        on_built = getattr(type(scheduler).__init__, MARKER, None)
-        if callable(on_built):
-            on_built(scheduler)
-    state, unit = settle_split(
-        scheduler, options.block_rule, ENV_BLOCK_RULE, options.advances_sub_block
-    )
-    # With the sizes agreeing, a call looks at nothing unless a rule of this class can act.
-    acts = options.deadlock_rules or options.hears_split_zeros
-    acts = acts or (options.block_rule and options.realign and options.realign_others)
-    if state.view is None and not (acts and state.size):
-        state = dataclasses.replace(state, quiet=True)
-        setattr(scheduler, SPLIT_ATTR, state)
-    record.note_block_unit(type(scheduler), unit)
-    return state
-
-
-def settle_if_differs(scheduler: Any) -> None:
-    """At construction, where the block sizes already differ: settle the split now."""
-    options = getattr(getattr(type(scheduler), SPLIT_METHOD, None), MARKER, None)
-    if isinstance(options, WrapOptions):
-        _settle(scheduler, options)
+from vllm_mamba_fix.targets import MARKER, SPLIT_METHOD
 
 
 def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable[..., int]:
@@ -129,7 +93,7 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
 
     def state_of(self: Any) -> SplitState:
         try:
-            return _settle(self, options)
+            return settle(self, options, original)
         except Exception as exc:
             settle_failed(exc, None)
             state = SplitState(0, quiet=True)  # stand down for this scheduler, once
@@ -256,6 +220,10 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
             state = self._vllm_mamba_fix_split  # blocks.SPLIT_ATTR
         except AttributeError:
             state = state_of(self)
+        if state.bypass is not None:
+            # The next call skips this wrapper (the encoder wrapper unbinds it again
+            # before a multimodal request's split).
+            self.__dict__[SPLIT_METHOD] = state.bypass
         view = state.view
         if view is not None:
             # engaged(), inlined for this signature: a decode is one comparison away from
@@ -342,6 +310,8 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
             state = self._vllm_mamba_fix_split  # blocks.SPLIT_ATTR
         except AttributeError:
             state = state_of(self)
+        if state.bypass is not None:
+            self.__dict__[SPLIT_METHOD] = state.bypass
         if state.view is not None:
             return engaged(self, state, request, num_new_tokens, args, kwargs)
         stock = original(self, request, num_new_tokens, *args, **kwargs)

@@ -156,6 +156,15 @@ class FakeRequest:
 # --------------------------------------------------------------------------- logs
 
 
+def split_as_vllm(scheduler: Any, request: Any, num_new_tokens: int, *args: Any) -> int:
+    """The split as vLLM's own ``schedule()`` reaches it: a request with encoder inputs
+    has its encoder check first (where text requests skip the split wrapper, that check
+    is what sends a multimodal request's split through it)."""
+    if request.has_encoder_inputs:
+        scheduler._try_schedule_encoder_inputs(request, request.num_computed_tokens, 1, 1)
+    return scheduler._mamba_block_aligned_split(request, num_new_tokens, *args)
+
+
 @dataclass
 class LogCapture:
     records: list[logging.LogRecord] = field(default_factory=list)

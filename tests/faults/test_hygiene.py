@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import vllm_mamba_fix
-from tests.faults.conftest import BLOCK, FakeRequest, FakeVllm, LogCapture
+from tests.faults.conftest import BLOCK, FakeRequest, FakeVllm, LogCapture, split_as_vllm
 from vllm_mamba_fix import register, unregister
 
 FakeFactory = Callable[..., FakeVllm]
@@ -153,10 +153,10 @@ def test_logs_carry_no_prompt_content(
     for step, request_id in enumerate(["req-a", "req-a", "req-b"]):
         request = PromptRequest(request_id, num_computed_tokens=step * 40)
         # Each chunk is cut at FakeRequest's image (token 100), which never fits.
-        corrected += scheduler._mamba_block_aligned_split(request, 100 - step * 40) > 0
+        corrected += split_as_vllm(scheduler, request, 100 - step * 40) > 0
     broken = PromptRequest("req-broken")
     del broken.num_prompt_tokens
-    scheduler._mamba_block_aligned_split(broken, 100, 40)  # failure path
+    split_as_vllm(scheduler, broken, 100, 40)  # failure path
     from vllm_mamba_fix import counters
 
     counters.log_summary()

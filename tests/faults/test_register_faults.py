@@ -26,6 +26,7 @@ from tests.faults.conftest import (
     is_patched,
     original_function,
     scheduler_method,
+    split_as_vllm,
 )
 from vllm_mamba_fix import (
     import_hook,
@@ -464,8 +465,8 @@ def test_invalid_scope_warns_once_then_uses_multimodal(
     (active,) = _active_lines(logs)
     assert "scope multimodal" in active
     # Behaviour of the default scope: text-only chunks stay stock, image ones are corrected.
-    assert sched._mamba_block_aligned_split(FakeRequest(has_encoder_inputs=False), 100) == 0
-    assert sched._mamba_block_aligned_split(FakeRequest(has_encoder_inputs=True), 100) == 100
+    assert split_as_vllm(sched, FakeRequest(has_encoder_inputs=False), 100) == 0
+    assert split_as_vllm(sched, FakeRequest(has_encoder_inputs=True), 100) == 100
 
 
 @pytest.mark.parametrize("value", ["0", "off", "FALSE", " Off "])
@@ -682,3 +683,34 @@ def test_a_probing_find_spec_leaves_the_hook_armed(
     assert importlib.util.find_spec(targets.SCHEDULER_MODULE) is not None  # a probe, no import
     scheduler = fake.import_scheduler()
     assert is_patched(scheduler)
+
+
+# ------------------------------------------------------------ the split's bound bypass
+
+
+@pytest.mark.parametrize("version", ["0.27.1", "0.33.0"])
+def test_a_bound_bypass_never_outlives_the_wrapper_it_skips(
+    version: str, fake_vllm: FakeFactory
+) -> None:
+    """A scheduler bound to vLLM's split (0.27: text requests; 0.33: quiet) drops the binding
+    whenever the plugin changes its class, and with unregister(): no call can skip a
+    wrapper that is no longer the one that settled it."""
+    fake = fake_vllm(version) if version != "0.33.0" else fake_vllm(version, FIXED_SCHEDULER)
+    scheduler_cls = fake.import_scheduler()
+    register()
+    sched = scheduler_cls(BLOCK)
+    text = FakeRequest("text", has_encoder_inputs=False)
+    assert split_as_vllm(sched, text, 100) == 0  # settles: stock floors a text 0
+    bound = vars(sched)[METHOD]
+    assert bound.__func__ is original_function(scheduler_cls)
+    if version == "0.27.1":  # an image request's split meets the wrapper again, then rebinds
+        assert split_as_vllm(sched, FakeRequest(has_encoder_inputs=True), 100) == 100
+        assert vars(sched)[METHOD] == bound
+    options = scheduler_method(scheduler_cls).__vllm_mamba_fix__
+    patch.wrap(scheduler_cls, options)  # any class change by the plugin
+    assert METHOD not in vars(sched)
+    split_as_vllm(sched, text, 100)
+    assert METHOD in vars(sched)  # settled again under the class's wrapper now
+    unregister()
+    assert METHOD not in vars(sched)
+    assert sched._mamba_block_aligned_split(FakeRequest(has_encoder_inputs=True), 100) == 0
