@@ -189,8 +189,12 @@ def capture_calls(harness: Any, wrapper: Callable[..., Any]) -> list[Call]:
 
     def capturing(self: Any, request: Any, n: int, *args: Any, **kwargs: Any) -> Any:
         calls.append((request, n, args, kwargs, request.num_computed_tokens))
-        return wrapper(self, request, n, *args, **kwargs)
+        try:
+            return wrapper(self, request, n, *args, **kwargs)
+        finally:
+            unbind(self)  # every call of the step is captured: no bypass skips this one
 
+    unbind(harness.scheduler)
     setattr(cls, METHOD, capturing)
     try:
         cls.schedule(harness.scheduler)  # the harness is not stepped again afterwards
