@@ -109,9 +109,9 @@ def _split_options(rules: frozenset[Rule], facts: Facts, scope: ScopePolicy) -> 
         scope,
         deadlock_rules=Rule.SPLIT in rules,
         block_rule=Rule.BLOCK_UNIT in rules,
-        # From 0.26 vLLM's split stops a mid-block chunk at the next boundary itself.
+        # From 0.27 vLLM's split stops every mid-block chunk at the next boundary itself.
         realign_others=not family.stops_mid_block,
-        absolute_end=family.stops_mid_block,
+        absolute_end=family.absolute_end,
         advances_sub_block=family.advances_sub_block,
         # The watchdog hears a split 0 only where it can be an encoder stall: encoder
         # budgeting runs first, and no split rule corrects the cuts that never clear.

@@ -46,7 +46,7 @@ class WrapOptions:
     # cross the next boundary (tests switch it off to show what it prevents).
     realign: bool = True
     # The block-unit rule re-aligns every other request too: only where the release's
-    # split does not stop a mid-block chunk at the next boundary itself (0.15-0.25).
+    # split does not stop every mid-block chunk at the next boundary itself (0.15-0.26).
     realign_others: bool = True
     # The release's split floors the chunk's end (0.26+), not its length: how the
     # block-unit rule's count tells a chunk it changed.
@@ -124,17 +124,6 @@ def encoder_cut_shift(scheduler: Any) -> int:
 Corrector = Callable[[Any, Any, int, int, int, int, bool, tuple[Any, ...], dict[str, Any]], int]
 
 
-def caches_no_state_at(scheduler: Any, request: Any, boundary: int, block_size: int) -> bool:
-    """Whether vLLM caches no Mamba state at ``boundary``: past the request's last full block,
-    one block less under EAGLE-type speculation (vLLM prunes the last matching block there),
-    so a chunk may cross it as stock's does."""
-    total = int(request.num_tokens)
-    last = total - total % block_size
-    if getattr(scheduler, "use_eagle", False):
-        last = max(last - block_size, 0)
-    return boundary > last
-
-
 def own_cut_never_clears(scheduler: Any, request: Any, position: int, block_size: int) -> bool:
     """Whether the request, left at ``position`` by an encoder cut, can never get the
     smallest chunk vLLM's split does not floor to 0, whatever other requests do: its own
@@ -201,10 +190,10 @@ def make_corrector(original: Callable[..., int], options: WrapOptions) -> Correc
         action = decision.action
         if action is Action.UNCHANGED:
             return stock
-        if action is Action.REALIGNED and (
-            not options.realign
-            or caches_no_state_at(self, request, start + decision.num_tokens, block_size)
-        ):
+        # No boundary is exempt, not even past vLLM's EAGLE-backed-off last_cache_position:
+        # the block a mid-block start leaves behind holds the state at ``start`` and is
+        # cached as the state at the boundary once a chunk crosses it (vLLM #51113, 0.27+).
+        if action is Action.REALIGNED and not options.realign:
             return stock
         if ruled_out or not scope.in_scope(request):
             if action is Action.REALIGNED and realign_others:

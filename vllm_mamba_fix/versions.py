@@ -43,10 +43,14 @@ class Family:
     # unencoded input that starts at the processed end (0.24+); before, any
     # encoder-cache miss asserts, so the 0.33 cut would crash the engine.
     drafter_fallback: bool = True
-    # The split itself stops a chunk that starts mid-block at the next boundary
-    # (absolute-end alignment, 0.26+); 0.15-0.25 align the chunk length and keep a
-    # misaligned request misaligned, so the plugin re-aligns it there.
+    # The split itself stops every chunk that starts mid-block at the next boundary
+    # (0.27+, vLLM #51113). 0.15-0.25 align the chunk length and keep a misaligned request
+    # misaligned; 0.26 stops it only up to its last_cache_position, which EAGLE backs off a
+    # block ("unless it is past the cacheable range"), so under MTP it crosses a boundary
+    # whose block is then cached with a stale state. The plugin re-aligns it there.
     stops_mid_block: bool = True
+    # The split floors the chunk's end, not its length (absolute-end alignment, 0.26+).
+    absolute_end: bool = True
     # The split advances sub-block through a block wider than its longest chunk (0.27+'s
     # guard `aligned_end > start or block_size <= max_prefill_tokens`); before, it floors
     # every chunk but a prompt's last to 0 there.
@@ -60,26 +64,28 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "<0.15", (0, 0, 0), (0, 15, 0), Verdict.ABSENT, "method absent; nothing to patch",
         prefill_gate=None, drafter_fallback=False, stops_mid_block=False,
-        advances_sub_block=False,
+        absolute_end=False, advances_sub_block=False,
     ),
     Family(
         "0.15", (0, 15, 0), (0, 17, 0), Verdict.PATCH, f"chunk-length alignment; {_AFTER_ENCODER}",
         prefill_gate=PrefillGate.NO_OUTPUT_TOKENS, drafter_fallback=False,
-        stops_mid_block=False, advances_sub_block=False,
+        stops_mid_block=False, absolute_end=False, advances_sub_block=False,
     ),
     Family(
         "0.17", (0, 17, 0), (0, 24, 0), Verdict.PATCH, f"chunk-length alignment; {_AFTER_ENCODER}",
-        drafter_fallback=False, stops_mid_block=False, advances_sub_block=False,
+        drafter_fallback=False, stops_mid_block=False, absolute_end=False,
+        advances_sub_block=False,
     ),
     Family(
         "0.24", (0, 24, 0), (0, 26, 0), Verdict.PATCH,
         f"chunk-length alignment, fifth parameter; {_AFTER_ENCODER}; {_DEFERRED_FREE}",
-        deferred_encoder_free=True, stops_mid_block=False, advances_sub_block=False,
+        deferred_encoder_free=True, stops_mid_block=False, absolute_end=False,
+        advances_sub_block=False,
     ),
     Family(
         "0.26", (0, 26, 0), (0, 27, 0), Verdict.PATCH,
         f"absolute-end alignment; {_AFTER_ENCODER}; {_DEFERRED_FREE}", deferred_encoder_free=True,
-        advances_sub_block=False,
+        stops_mid_block=False, advances_sub_block=False,
     ),
     Family(
         "0.27", (0, 27, 0), (0, 28, 0), Verdict.PATCH,
@@ -100,7 +106,7 @@ FAMILIES: tuple[Family, ...] = (
 # Used with VLLM_MAMBA_FIX=force when the version cannot be read.
 UNKNOWN_FAMILY = Family(
     "unknown", (0, 0, 0), None, Verdict.UNKNOWN, "version not recognised", drafter_fallback=False,
-    stops_mid_block=False, advances_sub_block=False,
+    stops_mid_block=False, absolute_end=False, advances_sub_block=False,
 )  # fmt: skip
 
 

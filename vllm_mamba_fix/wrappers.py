@@ -33,7 +33,6 @@ from vllm_mamba_fix.split_rule import (
     NOT_GIVEN,
     WrapOptions,
     builtin_scope,
-    caches_no_state_at,
     extra_computed_tokens,
     given_arguments,
     has_known_parameters,
@@ -166,10 +165,7 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
             # the next cache boundary (stock's, where stock crosses none).
             configured = original(self, request, num_new_tokens, *args, **kw)
             try:
-                room = tokens_to_next_boundary(start, size)
-                stock = configured
-                if not caches_no_state_at(self, request, start + room, size):
-                    stock = min(configured, room)
+                stock = min(configured, tokens_to_next_boundary(start, size))
                 if stock != configured:
                     counters.record(Action.BLOCK_ALIGNED, request.request_id, start, stock, size)
                 if not looked_at(request, num_new_tokens, stock, start, size):

@@ -14,8 +14,9 @@ vLLM's own MTP `SpeculativeConfig`) of the release `import vllm` finds:
 2. when stock completes every request with no violation (3), the plugin needs no more steps;
 3. in the cache's block, the plugin's prefill chunks have no boundary violation (a chunk
    starting mid-block crosses no boundary), except where vLLM's own design makes a crossing
-   correct: past the last cacheable boundary under EAGLE (stock 0.15-0.26), and the prompt's
-   last chunk after a fine-grained hit with internal prefill checkpoints (0.32+, by feature);
+   correct: the prompt's last chunk after a fine-grained hit with internal prefill
+   checkpoints (0.32+, by feature). Past the last cacheable boundary under EAGLE (stock
+   0.15-0.26) a crossing is a violation: it caches a stale state (vLLM #51113);
 4. where stock completes every request with no violation, the plugin's chunks are stock's;
 5. a request stock never completes, the plugin completes, or ends it with proof: the same
    plugin run, with that request exempt from ending, never completes it either. A request
@@ -295,11 +296,6 @@ def run_both(w: Workload, mode: Mode) -> tuple[Outcome, Outcome]:
 # The oracle
 
 
-def _last_cacheable(prompt_len: int, block: int, mode: Mode) -> int:
-    last = prompt_len - prompt_len % block
-    return max(last - block, 0) if mode.speculative else last
-
-
 def violations(w: Workload, run: Outcome, mode: Mode) -> list[tuple[str, int, int]]:
     """Prefill chunks that start mid-block (the cache's) and cross the next boundary, less
     the crossings vLLM's own design makes correct (see the module docstring, 3)."""
@@ -311,8 +307,6 @@ def violations(w: Workload, run: Outcome, mode: Mode) -> list[tuple[str, int, in
         for _, s, e in chunks:
             if s >= prompt or not s % b or e <= (s // b + 1) * b:
                 continue
-            if (s // b + 1) * b > _last_cacheable(prompt, b, mode):
-                continue  # past the last cacheable boundary (EAGLE backs it off a block)
             if unit and e >= prompt and s % unit == 0:
                 continue  # 0.32+: the backend saves the checkpoint inside this chunk
             bad.append((rid, s, e))

@@ -17,9 +17,9 @@ Found so far:
   the K padding tokens; the harness rejects padding drafts as the runner does.
 - 0.25.1 and 0.26.0, sync+mtp2 (issue 10): a 1,537-token text request with
   block 1520 behind a 1-token one. Under EAGLE vLLM backs the last cacheable
-  position off a block (to 0 here) and stock runs past the boundaries above it
-  from mid-block ([1519, 1537)), by design. Invariant 2 covers the boundaries
-  up to vLLM's last cacheable position (see check_aligned).
+  position off a block (to 0 here) and stock runs past the boundary above it
+  from mid-block ([1519, 1537)): block [0, 1520) is cached with the state at
+  1519 (vLLM #51113, fixed in 0.27). The plugin re-aligns it (see check_aligned).
 - Issue 10, every harness mode: images 0, 1 and 2 tokens apart (Gemma/LFM2-VL
   back to back; Qwen's template puts 2). Under MTP, gaps below
   tools.scenarios.deferred_free_hang_gap are skipped on 0.19-0.32, naming the
@@ -138,7 +138,6 @@ def test_regression_examples(sched_mode: Mode, scenario: PropScenario) -> None:
                 assert mine == chunks
             else:
                 assert [c for c in mine if c[0] < horizon] == [c for c in chunks if c[0] < horizon]
-        # No violation, but vLLM's own past its last cacheable boundary under EAGLE.
         check_aligned(scenario, patched, sched_mode)
         return
     check_scenario(scenario, sched_mode)
@@ -300,9 +299,9 @@ def test_a_deadlock_behind_a_long_prefill_is_completed_not_ended(diff_mode: Mode
 
 # Found by test_two_block_sizes under MTP on 0.25.1 and 0.28.0 against the working tree of
 # issue 27 item 1 (cache block 2048, cache_config.block_size 512 set after the build, budget
-# 778): under EAGLE-type speculation vLLM caches no state at the block below the prompt's end
-# (`last_cache_position` backs off a block), and stock's [1536, 2138) crosses 2048 by design;
-# stopping there costs a step. Without speculation stock's chunks are kept already.
+# 778): under EAGLE-type speculation `last_cache_position` backs off a block, and stock's
+# [1536, 2138) crosses 2048, caching block [0, 2048) with the state at 1536 (vLLM #51113);
+# the plugin stops there, a step more. Without speculation stock's chunks are kept already.
 TWO_SIZES_PAST_LAST_CACHEABLE = Workload(
     PropScenario(
         block_size=2048, budget=778, encoder_cache=300, threshold=0,
@@ -312,7 +311,9 @@ TWO_SIZES_PAST_LAST_CACHEABLE = Workload(
 )  # fmt: skip
 
 
-def test_two_sizes_cross_where_vllm_caches_no_state(diff_mode: Mode) -> None:
+def test_two_sizes_stop_where_stock_crosses_past_its_last_cacheable_boundary(
+    diff_mode: Mode,
+) -> None:
     check(TWO_SIZES_PAST_LAST_CACHEABLE, diff_mode)
 
 
@@ -334,9 +335,10 @@ def test_two_sizes_keep_stocks_aligned_multi_block_chunks(diff_mode: Mode) -> No
 
 
 # Found by test_preemption_aborts_churn_priority on 0.25.1 under MTP (0.4.0 and the item-1
-# working tree): under EAGLE vLLM caches no state at 1056 for a 1,783-token prompt, and stock's
-# [133, 1189) crosses it by design; the plugin re-aligns it to [133, 1056), which moves the
-# priority queue's shared budget and changes a neighbour's chunks.
+# working tree): under EAGLE `last_cache_position` is 0 for a 1,783-token prompt, and stock's
+# [133, 1189) crosses 1056, caching block [0, 1056) with the state at 133 (vLLM #51113); the
+# plugin re-aligns it to [133, 1056), which moves the priority queue's shared budget and
+# changes a neighbour's chunks.
 REALIGN_PAST_LAST_CACHEABLE = Workload(
     PropScenario(
         block_size=1056, budget=1056, encoder_cache=2009, threshold=1056,
@@ -371,7 +373,7 @@ CORRECTION_THEN_PREEMPTION = Workload(
 )  # fmt: skip
 
 
-def test_no_realign_past_the_last_cacheable_boundary(diff_mode: Mode) -> None:
+def test_realign_past_the_last_cacheable_boundary(diff_mode: Mode) -> None:
     check(REALIGN_PAST_LAST_CACHEABLE, diff_mode)
 
 

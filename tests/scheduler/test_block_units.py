@@ -128,7 +128,8 @@ def test_every_chunk_is_what_vllm_schedules_with_the_block_pinned(
     assert text.violations(CACHED) == []
     assert _chunks(text) == _chunks(_reuse_run(pinned_cfg, text_only))
     # Where stock, pinned, keeps a request that starts mid-block misaligned (0.15-0.25 under
-    # MTP), the split rule re-aligns it; elsewhere the chunks are stock's own.
+    # MTP; 0.26 past its last cacheable position), the rule re-aligns it; elsewhere the chunks
+    # are stock's own.
     if not stock_pinned.violations(CACHED):
         assert _chunks(text) == _chunks(stock_pinned)
     everything_pinned = _reuse_run(pinned_cfg, LATER)

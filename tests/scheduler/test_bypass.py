@@ -2,7 +2,7 @@
 
 Where no rule can act for a scheduler (quiet: the sizes agree on 0.28+), every split call
 is vLLM's own, bound to the scheduler. Where only multimodal requests can need the split
-rule (0.26-0.27, sizes agreeing, the built-in scope), text requests' calls are; the
+rule (0.27, sizes agreeing, the built-in scope), text requests' calls are; the
 encoder wrapper sends each multimodal request's split through the wrapper. These tests
 count which requests' split calls reach the class's wrapper while the suite's scenarios
 run, and check that undo leaves nothing bound.
@@ -79,13 +79,13 @@ def test_calls_that_need_no_look_skip_the_wrapper(
     text = ("text-a", "text-b")
     if state.quiet:  # nothing to look at: only the settling call meets the wrapper
         assert sum(reached.values()) == 1, reached
-    elif split_rule and family.stops_mid_block:  # 0.26-0.27
+    elif split_rule and family.stops_mid_block:  # 0.27
         # Only multimodal requests can need the split rule: every one of the image
         # request's calls meets it, text requests' calls (but the settling one) do not.
         assert vars(run.scheduler).get(ARM_ATTR) is True
         assert reached["two-images"] >= chunks["two-images"]
         assert sum(reached[rid] for rid in text) <= 1, reached
-    else:  # 0.15-0.25: the block-unit rule may re-align any request, every call looks
+    else:  # 0.15-0.26: the block-unit rule may re-align any request, every call looks
         assert all(reached[rid] >= chunks[rid] for rid in text), reached
         assert SPLIT_METHOD not in vars(run.scheduler)
 

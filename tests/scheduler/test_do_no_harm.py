@@ -35,23 +35,6 @@ def _chunks(result: harness.RunResult) -> dict[str, list[tuple[int, int]]]:
     return {rid: result.spans(rid) for rid in result.chunks}
 
 
-def _violations(result: harness.RunResult, mode: harness.Mode) -> list[tuple[str, int, int]]:
-    """Boundary violations in the cache's block, less vLLM's own: under EAGLE-type
-    speculation vLLM caches no state at the last block boundary below the prompt's end, so
-    crossing it is correct (stock does, by design)."""
-
-    def caches_a_state(rid: str, boundary: int) -> bool:
-        prompt = result.prompt_len[rid]
-        last = prompt - prompt % CACHED - (CACHED if mode.speculative else 0)
-        return boundary <= last
-
-    return [
-        (rid, start, end)
-        for rid, start, end in result.violations(CACHED)
-        if caches_a_state(rid, (start // CACHED + 1) * CACHED)
-    ]
-
-
 # -- a split 0 where the split runs first is a budget wait ------------------------------------
 
 STARVED = HarnessConfig(
@@ -78,9 +61,9 @@ def test_a_budget_wait_is_never_ended(
     assert patched.completed, patched.stall_at
     assert stats()["stalls_ended"] == ended_before
     assert patched.finished == {"long-text", "two-images"}
-    assert _violations(patched, sched_mode) == [], _chunks(patched)
+    assert patched.violations(CACHED) == [], _chunks(patched)
     if stock.completed:  # a healthy workload: the plugin changes nothing
-        assert _violations(stock, sched_mode) == [] and _chunks(patched) == _chunks(stock)
+        assert stock.violations(CACHED) == [] and _chunks(patched) == _chunks(stock)
         assert patched.steps <= stock.steps
 
 
@@ -128,8 +111,8 @@ def test_a_budget_between_the_two_blocks_is_served(
     patched = harness.run_requests(QUEUE, cfg)
     assert patched.completed, patched.stall_at
     assert stats()["stalls_ended"] == ended_before
-    assert _violations(patched, sched_mode) == [], _chunks(patched)
-    if _violations(stock, sched_mode) == []:  # stock is right here: the plugin changes nothing
+    assert patched.violations(CACHED) == [], _chunks(patched)
+    if stock.violations(CACHED) == []:  # stock is right here: the plugin changes nothing
         assert _chunks(patched) == _chunks(stock)
         assert patched.steps <= stock.steps
 
@@ -148,7 +131,7 @@ def test_block_rule_chunks_counts_the_chunks_the_rule_changed(
     before = stats()["block_rule_chunks"]
     patched = harness.run_requests(alone, cfg)
     counted = stats()["block_rule_chunks"] - before
-    assert patched.completed and _violations(patched, sched_mode) == []
+    assert patched.completed and patched.violations(CACHED) == []
     stock_ends = {(rid, s): e for rid in stock.chunks for s, e in stock.spans(rid)}
     changed = [
         (rid, s, e)
