@@ -97,6 +97,6 @@ def test_undo_leaves_no_scheduler_bound(load_plugin, sched_mode: Any) -> None:
     bound = vars(scheduler).get(SPLIT_METHOD)
     harness.unload_plugin()
     assert SPLIT_METHOD not in vars(scheduler)
-    assert ARM_ATTR not in vars(scheduler) and SPLIT_ATTR not in vars(scheduler)
-    if bound is not None:  # what was bound is vLLM's own split, not a wrapper
+    if bound is not None:  # what was bound is vLLM's own split, and its settlement goes too
         assert bound.__func__ is type(scheduler)._mamba_block_aligned_split
+        assert ARM_ATTR not in vars(scheduler) and SPLIT_ATTR not in vars(scheduler)

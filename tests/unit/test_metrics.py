@@ -79,7 +79,7 @@ def build_scheduler(attention_only):
 def run(method, target, *args):
     proc = mp.get_context(method).Process(target=target, args=args)
     proc.start()
-    proc.join(60)
+    proc.join(300)  # a spawned child imports vLLM and builds a scheduler: slow on a loaded box
     assert proc.exitcode == 0, proc.exitcode
     return proc.pid
 
