@@ -41,6 +41,9 @@ from vllm_mamba_fix.targets import FREE_REQUEST_METHOD, INIT_METHOD, SCHEDULER_C
 from vllm_mamba_fix.versions import Family, family_for
 from vllm_mamba_fix.wrappers import settle_if_differs
 
+# Every count reaches vLLM's /metrics too; counting imports none of its observers.
+counters.report_to(metrics)
+
 _lock = threading.RLock()
 _said: set[str] = set()  # lines logged once per process
 # The scheduler classes settled in this process, by record name: a later install on a
