@@ -17,6 +17,18 @@ from vllm_mamba_fix.config import Scope, builtin_in_scope
 ScopeHook = Callable[..., "bool | None"]
 
 
+class BuiltinScope:
+    """The built-in ``VLLM_MAMBA_FIX_SCOPE`` rule, registered once and asked last (marked
+    ``trylast`` by :func:`load_third_party_hook`, the one place that imports pluggy)."""
+
+    def mamba_fix_in_scope(self, request: Any, scope: str) -> bool | None:
+        try:
+            configured = Scope(scope)
+        except ValueError:
+            return None  # not a scope the built-in rule knows: defer
+        return builtin_in_scope(request, configured)
+
+
 def load_third_party_hook() -> ScopeHook | None:
     """The pluggy hook when third-party rules are installed, else None."""
     try:
@@ -26,7 +38,8 @@ def load_third_party_hook() -> ScopeHook | None:
 
         manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         manager.add_hookspecs(hookspecs.ScopeSpec)
-        manager.register(hookspecs.BuiltinScope(), name="builtin")
+        hookspecs.hookimpl(trylast=True)(BuiltinScope.mamba_fix_in_scope)
+        manager.register(BuiltinScope(), name="builtin")
         loaded = manager.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
     except Exception as exc:
         logger.warning(
