@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm_mamba_fix.blocks import BlockUnit
 from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.policy import Plan, Rule
+from vllm_mamba_fix.plan import Plan, Rule
 from vllm_mamba_fix.targets import SPLIT_METHOD
 
 
