@@ -32,8 +32,8 @@ and the OpenAI serving code, 0.15.1 to 0.33.0):
   runs then, so no queue is mutated while it iterates; the decision itself is taken
   inside ``schedule()`` (the encoder-input check, the split) and only recorded.
 - No release lacks the path. A scheduler class it cannot reach (the wrapper not
-  installed, an ``update_from_output`` of another shape) is named by :func:`support`,
-  and its stalls stay named, not ended.
+  installed, an ``update_from_output`` of another shape) is named by
+  :func:`vllm_mamba_fix.end_order.support`, and its stalls stay named, not ended.
 
 When (see docs/reliability.md, "Ending stalls"): a stall the watchdog named, still
 at the same position ``end_stalls_after`` seconds later and after two more 0s, and
@@ -51,14 +51,8 @@ from typing import Any
 
 from vllm_mamba_fix import counters
 from vllm_mamba_fix._log import failure_reporter, logger
-from vllm_mamba_fix.stalls import Streak, ZeroStreaks
-from vllm_mamba_fix.targets import MARKER, UPDATE_METHOD
-
-# Per scheduler instance: request id -> EndOrder, executed by the update wrapper.
-ORDERS_ATTR = "_vllm_mamba_fix_end_orders"
-_OUTPUT_FIELDS = ("request_id", "new_token_ids", "finish_reason", "stop_reason")
-# How the message a client reads begins (stall_watch writes it; stream_end recognises it).
-CLIENT_MESSAGE_PREFIX = "vllm-mamba-fix ended this request"
+from vllm_mamba_fix.end_order import ORDERS_ATTR, EndOrder
+from vllm_mamba_fix.targets import MARKER
 
 
 @dataclass(frozen=True)
@@ -68,46 +62,7 @@ class EndOptions:
     end_stalls_after: float
 
 
-@dataclass(frozen=True)
-class EndOrder:
-    request_id: str
-    position: int
-    computed: int  # request.num_computed_tokens when ordered: unchanged, or no end
-    store: ZeroStreaks
-    streak: Streak
-    log_line: str
-    message: str  # what the client reads
-
-
 # -- the safe point: update_from_output ------------------------------------------------------
-
-
-def support(scheduler_cls: type) -> str | None:
-    """Why stalls of ``scheduler_cls`` cannot be ended on this vLLM, or None (doctor)."""
-    name = f"{scheduler_cls.__module__}.{scheduler_cls.__qualname__}"
-    for method in (UPDATE_METHOD, "finish_requests"):
-        if not callable(getattr(scheduler_cls, method, None)):
-            return f"{name} has no {method}"
-    try:
-        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
-        from vllm.v1.request import RequestStatus
-    except Exception as exc:
-        return f"vLLM's engine-core output types cannot be imported ({type(exc).__name__})"
-    fields = getattr(EngineCoreOutput, "__struct_fields__", ())
-    missing = [f for f in _OUTPUT_FIELDS if f not in fields]
-    if missing or "outputs" not in getattr(EngineCoreOutputs, "__struct_fields__", ()):
-        return f"vLLM's EngineCoreOutput(s) lack {', '.join(missing) or 'outputs'}"
-    if not hasattr(FinishReason, "ABORT") or not hasattr(RequestStatus, "FINISHED_ABORTED"):
-        return "vLLM has no abort finish for the scheduler to use"
-    return None
-
-
-def support_of(scheduler: Any) -> str | None:
-    """:func:`support`, and whether this scheduler's class runs the plugin's update wrapper."""
-    cls = type(scheduler)
-    if getattr(getattr(cls, UPDATE_METHOD, None), MARKER, None) is None:
-        return f"the plugin's {UPDATE_METHOD} wrapper is not installed on {cls.__qualname__}"
-    return support(cls)
 
 
 def _request_error(message: str) -> Any:

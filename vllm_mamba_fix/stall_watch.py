@@ -18,7 +18,7 @@ from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.blocks import block_size_of
 from vllm_mamba_fix.config import ENV_END_STALLS_AFTER
 from vllm_mamba_fix.encoder_facts import OwnInputs, num_embeds, own_inputs, own_inputs_proof
-from vllm_mamba_fix.stall_end import ORDERS_ATTR, EndOrder, support_of
+from vllm_mamba_fix.end_order import ORDERS_ATTR, EndOrder, support_of
 from vllm_mamba_fix.stalls import (
     CAUSE_TEXT,
     StallCause,

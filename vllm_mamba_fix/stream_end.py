@@ -46,8 +46,8 @@ from types import ModuleType
 from typing import Any
 
 from vllm_mamba_fix._log import logger
+from vllm_mamba_fix.end_order import CLIENT_MESSAGE_PREFIX
 from vllm_mamba_fix.import_hook import PostImportHook
-from vllm_mamba_fix.stall_end import CLIENT_MESSAGE_PREFIX
 from vllm_mamba_fix.targets import MARKER
 
 RESULTS_PARAMETER = "result_generator"

@@ -37,7 +37,7 @@ import pytest
 
 from tests.e2e.serve_helpers import image_data_url, run_server
 from tools.engine_demo import REPO
-from vllm_mamba_fix.stall_end import CLIENT_MESSAGE_PREFIX
+from vllm_mamba_fix.end_order import CLIENT_MESSAGE_PREFIX
 
 pytestmark = pytest.mark.e2e
 

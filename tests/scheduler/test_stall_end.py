@@ -222,7 +222,7 @@ def test_an_order_for_a_moving_request_is_dropped(
     """The finish's own guard: an end order (as the decision places one) for a request that
     moved since, or is in the batch being updated, is dropped. One request, sync, so it is
     scheduled in every step until it finishes; an order before each step."""
-    from vllm_mamba_fix import stall_end, stalls
+    from vllm_mamba_fix import end_order, stalls
 
     install_clock(monkeypatch)
     load_with_stall_end(lambda **env: load_plugin(**_env(str(BOUND)), **env))
@@ -235,24 +235,24 @@ def test_an_order_for_a_moving_request_is_dropped(
         orders = 0
         while not request.is_finished() and h.step_index < 50:
             streak, _ = store.zero("healthy", request.num_computed_tokens, 0.0)
-            order = stall_end.EndOrder(
+            order = end_order.EndOrder(
                 "healthy", request.num_computed_tokens, request.num_computed_tokens, store,
                 streak, "test order", f"{ENDED_PREFIX}: test",
             )  # fmt: skip
-            h.scheduler.__dict__.setdefault(stall_end.ORDERS_ATTR, {})["healthy"] = order
+            h.scheduler.__dict__.setdefault(end_order.ORDERS_ATTR, {})["healthy"] = order
             orders += 1
             h.step()
     assert request.is_finished() and orders >= 3
     assert not ended(finishes)
     _assert_completed(finishes, "healthy")
-    assert not h.scheduler.__dict__[stall_end.ORDERS_ATTR]
+    assert not h.scheduler.__dict__[end_order.ORDERS_ATTR]
 
 
 def test_every_scheduler_class_can_end(family: Family) -> None:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix.stall_end import support
+    from vllm_mamba_fix.end_order import support
 
     assert support(Scheduler) is None
     assert support(AsyncScheduler) is None

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from vllm_mamba_fix import stream_end
-from vllm_mamba_fix.stall_end import CLIENT_MESSAGE_PREFIX
+from vllm_mamba_fix.end_order import CLIENT_MESSAGE_PREFIX
 from vllm_mamba_fix.stream_end import TARGETS, Shape, Target, Watch, read_shape
 from vllm_mamba_fix.targets import MARKER
 
