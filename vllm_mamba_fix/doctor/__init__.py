@@ -36,8 +36,8 @@ from vllm_mamba_fix.doctor.checks.speculative import (
     classify_speculative,
     release_speculative_methods,
 )
-from vllm_mamba_fix.doctor.cli import build_parser, main
-from vllm_mamba_fix.doctor.core import run
+from vllm_mamba_fix.doctor.cli import build_parser
+from vllm_mamba_fix.doctor.core import main, run
 from vllm_mamba_fix.doctor.report import (
     EXIT_CANNOT_TELL,
     EXIT_INVALID_INPUT,

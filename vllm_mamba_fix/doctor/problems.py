@@ -6,8 +6,8 @@ from typing import Any
 
 from vllm_mamba_fix import rules
 from vllm_mamba_fix.config import Settings
-from vllm_mamba_fix.doctor.checks.rules import PIN_HINT
 from vllm_mamba_fix.doctor.plans import Views
+from vllm_mamba_fix.doctor.verdict import PIN_HINT
 from vllm_mamba_fix.policy import Rule
 from vllm_mamba_fix.record import ClassRecord
 

@@ -24,6 +24,11 @@ PER_SCHEDULER: frozenset[Rule] = frozenset({Rule.BLOCK_UNIT})
 PER_SCHEDULER_TEXT = (
     "engages per scheduler where the Mamba KV cache's block differs from cache_config.block_size"
 )
+# What to do where a scheduler's two block sizes differ and the block-unit rule does not run.
+PIN_HINT = (
+    "vLLM's own chunks can end inside a cached block and cache a stale Mamba state "
+    "(vLLM #54076): pin --block-size to the cache's block"
+)
 # What a per-scheduler rule that installs does at engine start, where no record shows yet.
 ENGAGES_AT_START = (
     "engages at engine start for each scheduler whose Mamba KV cache block differs from "
