@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from vllm_mamba_fix.rules import RULES
+from vllm_mamba_fix.rules.table import RULES
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRIBUTING = REPO / "CONTRIBUTING.md"

@@ -9,7 +9,7 @@ and the watchdog look at it; with the watchdog on, each final 0 of the split too
 Other calls never ask it.
 
 This module imports nothing of the plugin's (as pytest's ``hookspec.py``): a third party's
-rule depends on it alone. The built-in rule is :class:`vllm_mamba_fix.scope.BuiltinScope`.
+rule depends on it alone. The built-in rule is :class:`vllm_mamba_fix.decide.scope.BuiltinScope`.
 """
 
 from __future__ import annotations

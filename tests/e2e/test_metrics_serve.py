@@ -39,8 +39,8 @@ from tests.e2e.serve_helpers import (
     scrape_metrics,
 )
 from tests.e2e.test_serve import StreamingRequest
-from vllm_mamba_fix import counters, metrics
-from vllm_mamba_fix.decision import Action
+from vllm_mamba_fix.decide.decision import Action
+from vllm_mamba_fix.observe import counters, metrics
 
 pytestmark = pytest.mark.e2e
 

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_mamba_fix import end_order, stall_end, stalls
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.stalls import (
+from vllm_mamba_fix.decide import stalls
+from vllm_mamba_fix.decide.stalls import (
     REPEATED,
     StallCause,
     StallReport,
@@ -24,7 +24,8 @@ from vllm_mamba_fix.stalls import (
     split_moved,
     split_zero,
 )
-from vllm_mamba_fix.targets import MARKER
+from vllm_mamba_fix.facts.targets import MARKER
+from vllm_mamba_fix.rules import end_order, stall_end
 
 
 def test_the_proof_on_the_stall_shapes() -> None:

@@ -7,7 +7,7 @@ only for the views a record cannot hold (what the version alone says, and what t
 release needs where a setting forced or switched off a rule).
 
 The dry run and the entry-point check are handed the plugin they check
-(:mod:`vllm_mamba_fix.plugin`): this module, the command's, is the one that imports it.
+(:mod:`vllm_mamba_fix.install.plugin`): this module, the command's, is the one that imports it.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vllm_mamba_fix import plugin, record, rules
 from vllm_mamba_fix._version import __version__
-from vllm_mamba_fix.config import ENV_MODE, Mode, Settings, load_settings
+from vllm_mamba_fix.decide.policy import PreflightResult, Rule, preflight
 from vllm_mamba_fix.doctor import problems, verdict
 from vllm_mamba_fix.doctor.checks.entry_point import check_entry_point
 from vllm_mamba_fix.doctor.checks.metrics import check_metrics
@@ -66,9 +65,12 @@ from vllm_mamba_fix.doctor.report import (
     Report,
     one_line,
 )
-from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.policy import PreflightResult, Rule, preflight
-from vllm_mamba_fix.versions import Family, Verdict
+from vllm_mamba_fix.facts.config import ENV_MODE, Mode, Settings, load_settings
+from vllm_mamba_fix.facts.evidence import Evidence
+from vllm_mamba_fix.facts.versions import Family, Verdict
+from vllm_mamba_fix.install import plugin
+from vllm_mamba_fix.observe import record
+from vllm_mamba_fix.rules import table as rules
 
 _TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
 

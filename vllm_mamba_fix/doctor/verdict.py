@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from vllm_mamba_fix.config import ENV_MODE, ENV_VLLM_PLUGINS, PLUGIN_NAME, Mode
+from vllm_mamba_fix.decide.policy import Plan, Rule
 from vllm_mamba_fix.doctor.report import names_text
-from vllm_mamba_fix.policy import Plan, Rule
-from vllm_mamba_fix.rules import FIX_RULES
-from vllm_mamba_fix.versions import Family, Verdict
+from vllm_mamba_fix.facts.config import ENV_MODE, ENV_VLLM_PLUGINS, PLUGIN_NAME, Mode
+from vllm_mamba_fix.facts.versions import Family, Verdict
+from vllm_mamba_fix.rules.table import FIX_RULES
 
 # FIX_RULES (the rule table's ``fixes``) end a deadlock or a wrong token. The watchdog
 # and stall-end only name or end stalls, so one that would not install is a warning,

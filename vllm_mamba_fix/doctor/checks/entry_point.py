@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_mamba_fix._version import __version__
-from vllm_mamba_fix.config import PLUGIN_NAME
 from vllm_mamba_fix.doctor.report import Report, one_line, package_path
+from vllm_mamba_fix.facts.config import PLUGIN_NAME
 
 PLUGIN_GROUP = "vllm.general_plugins"
 ENTRY_POINT_VALUE = "vllm_mamba_fix:register"

@@ -2,7 +2,7 @@
 
 Each class is settled by ``plugin.check_class(cls)``, the same check the engine
 runs when it builds a scheduler (without a built scheduler, so no block size);
-doctor reads the :class:`~vllm_mamba_fix.record.ClassRecord` it returns (the
+doctor reads the :class:`~vllm_mamba_fix.observe.record.ClassRecord` it returns (the
 plugin records the base class even where it installs nothing), and verifies on
 the live classes that every method the record says carries a rule resolves to the
 plugin's wrapper. The plugin's log lines are captured to show them, never to decide.
@@ -18,8 +18,7 @@ import logging
 import sys
 from typing import Any, Protocol
 
-from vllm_mamba_fix import patch, record
-from vllm_mamba_fix.config import Settings
+from vllm_mamba_fix.decide.policy import Rule
 from vllm_mamba_fix.doctor.checks.vllm_import import resolve_class
 from vllm_mamba_fix.doctor.report import (
     Report,
@@ -29,10 +28,13 @@ from vllm_mamba_fix.doctor.report import (
     stdout_to_stderr,
 )
 from vllm_mamba_fix.doctor.verdict import PER_SCHEDULER
-from vllm_mamba_fix.evidence import defining_class
-from vllm_mamba_fix.policy import Rule
-from vllm_mamba_fix.record import ClassRecord, MethodState
-from vllm_mamba_fix.rules import (
+from vllm_mamba_fix.facts.config import Settings
+from vllm_mamba_fix.facts.evidence import defining_class
+from vllm_mamba_fix.facts.targets import SCHEDULER_CLASS, SCHEDULER_MODULE
+from vllm_mamba_fix.install import patch
+from vllm_mamba_fix.observe import record
+from vllm_mamba_fix.observe.record import ClassRecord, MethodState
+from vllm_mamba_fix.rules.table import (
     ALL_WRAPPED,
     FIX_RULES,
     NEEDS,
@@ -41,11 +43,10 @@ from vllm_mamba_fix.rules import (
     SPLIT_RULES,
     rules_through,
 )
-from vllm_mamba_fix.targets import SCHEDULER_CLASS, SCHEDULER_MODULE
 
 
 class Plugin(Protocol):
-    """What the dry run calls of :mod:`vllm_mamba_fix.plugin`."""
+    """What the dry run calls of :mod:`vllm_mamba_fix.install.plugin`."""
 
     def register(self, settings: Settings | None = None) -> None: ...
     def unregister(self) -> bool: ...

@@ -12,7 +12,7 @@ from typing import Any
 from vllm_mamba_fix.doctor.checks.vllm_import import resolve_class
 from vllm_mamba_fix.doctor.report import Report, names_text, one_line, stdout_to_stderr
 
-MODULE = "vllm_mamba_fix.end_order"  # read at run time: a build may lack it
+MODULE = "vllm_mamba_fix.rules.end_order"  # read at run time: a build may lack it
 LABEL = "ending stalls"
 
 

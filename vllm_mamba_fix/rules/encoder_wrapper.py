@@ -1,5 +1,5 @@
 """The wrapper of ``Scheduler._try_schedule_encoder_inputs``: the speculative-stall rule,
-the stall watchdog and the stall end's decision (:mod:`vllm_mamba_fix.stall_end` ends the
+the stall watchdog and the stall end's decision (:mod:`vllm_mamba_fix.rules.stall_end` ends the
 request). Only a result of 0 tokens is looked at; every other call returns vLLM's result
 after one dict check.
 """
@@ -11,14 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix import counters, stall_watch, stalls
 from vllm_mamba_fix._log import failure_reporter
-from vllm_mamba_fix.blocks import block_size_of
-from vllm_mamba_fix.decision import Action, speculative_stall_release, unshifted_cut_needed
-from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.stall_watch import log_moving_again
-from vllm_mamba_fix.stalls import REPEATED, ZeroStreaks, watchdog_due
-from vllm_mamba_fix.targets import MARKER
+from vllm_mamba_fix.decide import stalls
+from vllm_mamba_fix.decide.decision import Action, speculative_stall_release, unshifted_cut_needed
+from vllm_mamba_fix.decide.scope import ScopePolicy
+from vllm_mamba_fix.decide.stalls import REPEATED, ZeroStreaks, watchdog_due
+from vllm_mamba_fix.facts.blocks import block_size_of
+from vllm_mamba_fix.facts.targets import MARKER
+from vllm_mamba_fix.observe import counters
+from vllm_mamba_fix.rules import stall_watch
+from vllm_mamba_fix.rules.stall_watch import log_moving_again
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from vllm_mamba_fix import config, metrics_sweep
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.blocks import unit_of_scheduler
+from vllm_mamba_fix.facts import config
+from vllm_mamba_fix.facts.blocks import unit_of_scheduler
+from vllm_mamba_fix.observe import metrics_sweep
 
 FILE_PREFIX = "counter_vllm-mamba-fix-"  # "counter_": the type MultiProcessCollector reads
 

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from typing import Protocol
 
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.decision import Action
+from vllm_mamba_fix.decide.decision import Action
 
 
 class Sink(Protocol):

@@ -1,8 +1,8 @@
 """How each rule's need is decided: settings, release data and code evidence in, a verdict out.
 
 Pure functions; no vLLM import and no logging (callers pick the log level). The rule
-table (:mod:`vllm_mamba_fix.rules`) names which function decides which rule, and
-:func:`vllm_mamba_fix.rules.plan` runs them in its order.
+table (:mod:`vllm_mamba_fix.rules.table`) names which function decides which rule, and
+:func:`vllm_mamba_fix.rules.table.plan` runs them in its order.
 
 The rules, why they exist, and where they stop being needed:
 
@@ -30,7 +30,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vllm_mamba_fix.config import (
+from vllm_mamba_fix.decide.plan import Plan, Rule, RuleVerdict
+from vllm_mamba_fix.facts.config import (
     ENV_BLOCK_RULE,
     ENV_END_STALLS_AFTER,
     ENV_MODE,
@@ -39,9 +40,8 @@ from vllm_mamba_fix.config import (
     Mode,
     Settings,
 )
-from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.plan import Plan, Rule, RuleVerdict
-from vllm_mamba_fix.versions import Family, Verdict
+from vllm_mamba_fix.facts.evidence import Evidence
+from vllm_mamba_fix.facts.versions import Family, Verdict
 
 __all__ = [  # Rule, RuleVerdict and Plan are plan.py's, named here for the verdicts' callers
     "Earlier",

@@ -1,11 +1,11 @@
-"""The wrappers around ``Scheduler`` methods; :mod:`vllm_mamba_fix.patch` installs them.
+"""The wrappers around ``Scheduler`` methods; :mod:`vllm_mamba_fix.install.patch` installs them.
 
 - ``_mamba_block_aligned_split`` (the split and block-unit rules): calls the
   original with the caller's arguments (through a ``cache_config`` view with the
   cache's block where the block-unit rule engaged), then corrects the result through
-  :func:`vllm_mamba_fix.decision.decide`, in units of the block the Mamba cache
-  really stores (:mod:`vllm_mamba_fix.blocks`); a final 0 is told to the watchdog.
-- ``_try_schedule_encoder_inputs``: in :mod:`vllm_mamba_fix.encoder_wrapper`.
+  :func:`vllm_mamba_fix.decide.decision.decide`, in units of the block the Mamba cache
+  really stores (:mod:`vllm_mamba_fix.facts.blocks`); a final 0 is told to the watchdog.
+- ``_try_schedule_encoder_inputs``: in :mod:`vllm_mamba_fix.rules.encoder_wrapper`.
 - ``__init__``: runs the per-scheduler check once the scheduler is built.
 - ``_free_request``: per-request state ends with the request.
 
@@ -20,23 +20,33 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vllm_mamba_fix import counters, record
 from vllm_mamba_fix._log import failure_reporter
-from vllm_mamba_fix.blocks import (
+from vllm_mamba_fix.decide.decision import (
+    Action,
+    can_need_correction,
+    configured_floor_differs,
+    tokens_to_next_boundary,
+)
+from vllm_mamba_fix.decide.stalls import (
+    SPLIT_ZEROS,
+    forget_request,
+    split_moved,
+    split_zero,
+)
+from vllm_mamba_fix.facts.blocks import (
     BLOCK_ATTR,
     CACHE_CONFIG_ATTR,
     SPLIT_ATTR,
     SplitState,
     settle_split,
 )
-from vllm_mamba_fix.config import ENV_BLOCK_RULE, Scope
-from vllm_mamba_fix.decision import (
-    Action,
-    can_need_correction,
-    configured_floor_differs,
-    tokens_to_next_boundary,
+from vllm_mamba_fix.facts.config import ENV_BLOCK_RULE, Scope
+from vllm_mamba_fix.facts.targets import (
+    MARKER,
+    SPLIT_METHOD,
 )
-from vllm_mamba_fix.split_rule import (
+from vllm_mamba_fix.observe import counters, record
+from vllm_mamba_fix.rules.split_rule import (
     NOT_GIVEN,
     WrapOptions,
     builtin_scope,
@@ -45,16 +55,6 @@ from vllm_mamba_fix.split_rule import (
     given_arguments,
     has_known_parameters,
     make_corrector,
-)
-from vllm_mamba_fix.stalls import (
-    SPLIT_ZEROS,
-    forget_request,
-    split_moved,
-    split_zero,
-)
-from vllm_mamba_fix.targets import (
-    MARKER,
-    SPLIT_METHOD,
 )
 
 

@@ -44,7 +44,7 @@ def builtin_in_scope(request: Any, scope: Scope) -> bool:
     """The built-in rule: ``multimodal``, requests with encoder inputs; ``all``, every request.
 
     The one copy: answered directly when no third-party rule is installed, and by
-    :class:`vllm_mamba_fix.scope.BuiltinScope` as the hook's last impl otherwise.
+    :class:`vllm_mamba_fix.decide.scope.BuiltinScope` as the hook's last impl otherwise.
     """
     return scope is Scope.ALL or bool(request.has_encoder_inputs)
 

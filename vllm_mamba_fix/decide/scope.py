@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.config import Scope, builtin_in_scope
+from vllm_mamba_fix.facts.config import Scope, builtin_in_scope
 
 ScopeHook = Callable[..., "bool | None"]
 

@@ -1,9 +1,9 @@
 """The order the watchdog leaves for the stall end, and whether a scheduler can carry one out.
 
 The data flows one way: the encoder-input check and the split (through
-:mod:`vllm_mamba_fix.stalls`) tell the watchdog of their 0s, the watchdog orders the end of
-a proven stall (:mod:`vllm_mamba_fix.stall_watch` leaves an :class:`EndOrder` on the
-scheduler), and the stall end acts on it at the safe point (:mod:`vllm_mamba_fix.stall_end`).
+:mod:`vllm_mamba_fix.decide.stalls`) tell the watchdog of their 0s, the watchdog orders the end of
+a proven stall (:mod:`vllm_mamba_fix.rules.stall_watch` leaves an :class:`EndOrder` on the
+scheduler), and the stall end acts on it at the safe point (:mod:`vllm_mamba_fix.rules.stall_end`).
 Both import this module; neither imports the other. Reads vLLM's types only inside
 :func:`support`.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix.stalls import Streak, ZeroStreaks
-from vllm_mamba_fix.targets import MARKER, UPDATE_METHOD
+from vllm_mamba_fix.decide.stalls import Streak, ZeroStreaks
+from vllm_mamba_fix.facts.targets import MARKER, UPDATE_METHOD
 
 # Per scheduler instance: request id -> EndOrder, executed by the update wrapper.
 ORDERS_ATTR = "_vllm_mamba_fix_end_orders"

@@ -1,6 +1,6 @@
 """The rules' names, a verdict on one, and a plan of them: plain values, no imports of ours.
 
-:mod:`vllm_mamba_fix.policy` decides each verdict; the install record (``record.py``) keeps
+:mod:`vllm_mamba_fix.decide.policy` decides each verdict; the install record (``record.py``) keeps
 the plan each scheduler class got, so it needs these names without the deciding.
 """
 
