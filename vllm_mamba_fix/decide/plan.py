@@ -1,7 +1,8 @@
 """The rules' names, a verdict on one, and a plan of them: plain values, no imports of ours.
 
-:mod:`vllm_mamba_fix.decide.policy` decides each verdict; the install record (``record.py``) keeps
-the plan each scheduler class got, so it needs these names without the deciding.
+:mod:`vllm_mamba_fix.decide.policy` decides each verdict; the install record
+(:mod:`vllm_mamba_fix.observe.record`) keeps the plan each scheduler class got, so it needs
+these names without the deciding.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 
 class Rule(enum.Enum):
-    """What the plugin may install; the rule table (rules.py) says how."""
+    """What the plugin may install; the rule table (rules/table.py) says how."""
 
     SPLIT = "split"
     BLOCK_UNIT = "block-unit"

@@ -1,3 +1,11 @@
+# Rule:     stall-end, its client side in the API server (attached by register() where the
+#           stall end is on)
+# Answers:  on 0.15-0.32 vLLM's chat and completions stream generators skip an output with no
+#           tokens before they read its finish, so a streaming client of an ended request
+#           reads an empty success.
+# Runs on:  0.15.0-0.32.x, on a generator whose source shows that skip (read_shape).
+# Decided:  by vLLM's code, never by the version.
+# Removed:  0.33 sends a RequestError that vLLM streams itself (EngineCoreOutput.error).
 """A streaming client learns that the plugin ended its request (vLLM 0.15-0.32's API server).
 
 The stall end (:mod:`vllm_mamba_fix.rules.stall_end`) finishes a request with ``FinishReason.ABORT``

@@ -1,3 +1,16 @@
+# Rule:     speculative-stall (Rule.SPECULATIVE_STALL in rules/table.py; off with VLLM_MAMBA_FIX=0)
+# Answers:  the speculative stall under EAGLE-type speculation: from 0.24.0 vLLM frees an
+#           encoder input only past the drafter's look-ahead (vLLM #46315) and cuts before the
+#           next one by that shift, so a request whose images sit closer than that parks at 0
+#           tokens (reported on vLLM #47738 and vllm-ascend #17195).
+# Runs on:  0.24.0-0.32.x; before 0.24 the model runner asserts on an encoder-cache miss, so
+#           the watchdog names such a stall and the stall end ends it instead.
+# Decided:  by the scheduler class's code (facts/evidence.py: an encoder free deferred by a
+#           look-ahead), by the version where it cannot tell (decide/policy.py:
+#           speculative_verdict).
+# Removed:  0.33.0 frees without the delay and cuts without the shift: the rule goes with the
+#           last supported 0.32. This wrapper stays the watchdog's ear on the encoder-input
+#           check while the watchdog runs (rules/stall_watch.py).
 """The wrapper of ``Scheduler._try_schedule_encoder_inputs``: the speculative-stall rule,
 the stall watchdog and the stall end's decision (:mod:`vllm_mamba_fix.rules.stall_end` ends the
 request). Only a result of 0 tokens is looked at; every other call returns vLLM's result

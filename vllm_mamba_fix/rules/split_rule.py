@@ -1,3 +1,16 @@
+# Rule:     split (Rule.SPLIT in rules/table.py; off with VLLM_MAMBA_FIX_SPLIT_RULE=0)
+# Answers:  the split deadlock of hybrid Mamba models with prefix caching: through 0.27.1
+#           schedule() budgets encoder inputs before _mamba_block_aligned_split, which floors
+#           a chunk cut short before an image to 0 tokens on every step. Upstream fixed the
+#           order in vLLM #51603 ("Apply Mamba alignment before encoder caps", 0.28.0).
+# Runs on:  0.15.0-0.27.1; on 0.28+ only under a scheduler whose own schedule() keeps the old
+#           order (a platform's, or a build without #51603). Carried by the split method's
+#           wrapper (rules/wrappers.py).
+# Decided:  by the scheduler class's own code (facts/evidence.py: split after encoder
+#           budgeting), by the version where the code cannot tell (decide/policy.py:
+#           split_verdict); VLLM_MAMBA_FIX=force installs it on any release.
+# Removed:  once the oldest supported release has #51603 and no supported scheduler budgets
+#           encoder inputs before the split.
 """The split rule's corrector: what the split wrapper does with an answer a rule acts on.
 
 :func:`make_corrector` builds the rare path of :mod:`vllm_mamba_fix.rules.wrappers`: it asks

@@ -1,3 +1,13 @@
+# Rule:     stall-end (Rule.STALL_END in rules/table.py; VLLM_MAMBA_FIX_END_STALLS_AFTER, 60 s
+#           by default, off with 0 or "off")
+# Answers:  no vLLM issue of its own: a stall no rule can end (the request's own encoder inputs
+#           can never be scheduled together) holds its request, and the queue behind it,
+#           forever. It is ended with vLLM's own scheduler-side finish, so the client reads why.
+# Runs on:  where the watchdog runs and the class has update_from_output and finish_requests
+#           (rules/end_order.py: support); every release 0.15.0-0.33.0 has that path.
+# Decided:  by its setting, and on only with the watchdog (decide/policy.py:
+#           stall_end_verdict).
+# Removed:  with the watchdog.
 """Ending a stall no rule can end: one request, with vLLM's own scheduler-side finish.
 
 How a finish the scheduler decides reaches the client (read in every release's

@@ -1,3 +1,13 @@
+# Rule:     stall-watchdog (Rule.STALL_WATCHDOG in rules/table.py; VLLM_MAMBA_FIX_STALL_SECONDS,
+#           30 s by default, off with "off")
+# Answers:  no vLLM issue of its own: a prefill that gets 0 tokens forever looks healthy from
+#           outside (GPU idle, /health 200, no log line). The watchdog names it, with its cause
+#           and remedy, whichever rule or setting left it there.
+# Runs on:  wherever a fix rule runs (split or speculative-stall): 0.15.0-0.32.x, and any
+#           scheduler that keeps the old order.
+# Decided:  by its setting, and on only where the split or the speculative-stall rule is
+#           (decide/policy.py: watchdog_verdict).
+# Removed:  with the last fix rule it watches.
 """The watchdog's two ears, the encoder-input check and the split, and the stall end's decision.
 
 A 0 of either counts in its own streak store (:mod:`vllm_mamba_fix.decide.stalls`); a streak

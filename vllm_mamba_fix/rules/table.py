@@ -4,9 +4,10 @@ One frozen :class:`RuleSpec` per rule says what it is (its name), where it runs 
 Scheduler method whose wrapper carries it), how its need is decided (a function of
 :mod:`vllm_mamba_fix.decide.policy`), its switch and its ``stats()`` keys. One
 :class:`MethodSpec` per wrapped method says how its wrapper is built and which of its
-rules a built wrapper carries. ``patch``, ``plugin``, ``record``, doctor and the
-docs' configuration table read these tables; adding a rule touches its own module
-and this one (CONTRIBUTING.md, "Adding a rule").
+rules a built wrapper carries. ``patch``, ``plugin``, doctor and the docs'
+configuration table read these tables; adding a rule touches its own module in this
+folder (with its header), its verdict in ``decide/policy.py``, and this table
+(CONTRIBUTING.md, "Adding a rule").
 """
 
 from __future__ import annotations
