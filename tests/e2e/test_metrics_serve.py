@@ -97,7 +97,7 @@ def _all_series_present(scraped: dict[str, float]) -> None:
 # directory is left behind with a counter file in it.
 KILLED_SERVER = """
 import multiprocessing as mp, os, signal
-from vllm_mamba_fix import metrics
+from vllm_mamba_fix.observe import metrics
 
 def engine_core():
     metrics.prepare()

@@ -353,7 +353,7 @@ def test_the_wrapper_passes_odd_arguments_on() -> None:
 def test_the_hook_wraps_a_module_imported_later() -> None:
     # A fresh interpreter: attach before vLLM's serving modules exist, as register() does.
     code = (
-        "import sys; from vllm_mamba_fix import stream_end; stream_end.attach();"
+        "import sys; from vllm_mamba_fix.install import stream_end; stream_end.attach();"
         "assert 'vllm.entrypoints.openai.chat_completion.serving' not in sys.modules;"
         "import vllm.entrypoints.openai.chat_completion.serving;"
         "import vllm.entrypoints.openai.completion.serving;"
