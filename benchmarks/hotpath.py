@@ -78,7 +78,7 @@ def _install(cls: type, functions: dict[str, Callable[..., Any]]) -> None:
 
 def watchdog_settings() -> dict[str, Any]:
     """What the installed encoder wrapper was built with (the watchdog must be on)."""
-    from vllm_mamba_fix import targets
+    from vllm_mamba_fix.facts import targets
 
     options = getattr(_scheduler_class().__dict__[ENCODER_METHOD], targets.MARKER)
     return {
@@ -159,7 +159,7 @@ def _timed_schedule(scheduler: Any, sink: list[int]) -> None:
 def _count_calls(harness: Any, cls: type, stock: dict[str, Callable[..., Any]]) -> dict[str, int]:
     """Calls of both methods in one ``schedule()``: split calls and how many miss the split
     wrapper's fast path; encoder calls and how many returned 0 (all the watchdog looks at)."""
-    from vllm_mamba_fix.decision import can_need_correction
+    from vllm_mamba_fix.decide.decision import can_need_correction
 
     split, encoder = stock[METHOD], stock[ENCODER_METHOD]
     n = {"split": 0, "split_slow": 0, "encoder": 0, "encoder_zero": 0}
@@ -387,7 +387,7 @@ def micro_bench(repeats: int, target_ns: int) -> dict[str, Any]:
     """Per-call time through the bound method, each arm against the original, interleaved."""
     from tools.scenarios import ISSUE_CONFIG
     from tools.sched_harness import Harness
-    from vllm_mamba_fix import counters
+    from vllm_mamba_fix.observe import counters
 
     cls = _scheduler_class()
     installed = {name: methods(name) for name in (METHOD, ENCODER_METHOD)}
@@ -468,8 +468,8 @@ def scope_load() -> dict[str, Any]:
     ``installed_loaded`` says whether the plugin's own policy was loaded by the patch."""
     from tools.scenarios import ISSUE_CONFIG
     from tools.sched_harness import Harness
-    from vllm_mamba_fix import targets
-    from vllm_mamba_fix.scope import ScopePolicy
+    from vllm_mamba_fix.decide.scope import ScopePolicy
+    from vllm_mamba_fix.facts import targets
 
     installed = getattr(_scheduler_class().__dict__[METHOD], targets.MARKER).scope
     loaded_by_patch = bool(installed._loaded)
@@ -499,7 +499,7 @@ N_TEXT_ONLY_PREFILL = 64
 def plugin_step_methods() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
     """Every method the plugin wrapped on the class that a step can call (``__init__`` is
     not one): name -> (wrapper, original)."""
-    from vllm_mamba_fix import targets
+    from vllm_mamba_fix.facts import targets
 
     cls = _scheduler_class()
     return {

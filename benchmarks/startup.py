@@ -39,7 +39,7 @@ def cold_register(case: str) -> dict[str, Any]:
     clock = time.perf_counter_ns
     t0 = clock()
     import vllm_mamba_fix
-    from vllm_mamba_fix import plugin
+    from vllm_mamba_fix.install import plugin
 
     t1 = clock()
     patch_ns: list[int] = []

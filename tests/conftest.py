@@ -83,6 +83,6 @@ def no_shutdown_summary_in_pytest() -> Iterator[None]:
     The summary itself is tested in a subprocess (tests/scheduler/test_observability.py).
     """
     yield
-    from vllm_mamba_fix.counters import reset
+    from vllm_mamba_fix.observe.counters import reset
 
     reset()

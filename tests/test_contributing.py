@@ -2,16 +2,21 @@
 
 - every path CONTRIBUTING.md names under ``vllm_mamba_fix/``, ``tools/`` or ``tests/`` (and
   every ``tools.<module>`` it runs) exists;
-- its Layout names every module of ``vllm_mamba_fix/`` (``__init__``/``__main__`` aside) once;
+- its Layout names every module of ``vllm_mamba_fix/`` (``__init__``/``__main__`` aside) once,
+  and every folder of it;
+- every rule of the table has a module under ``vllm_mamba_fix/rules/`` that opens with its
+  header (what it answers, where it runs, how it is decided, what removes it);
+- every module of the package stays under 400 lines;
 - the README's configuration table has a row for every rule's switch (``rules.RULES``).
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
-from vllm_mamba_fix.rules import RULES
+from vllm_mamba_fix.rules.table import RULES
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRIBUTING = REPO / "CONTRIBUTING.md"
@@ -65,6 +70,43 @@ def test_the_layout_names_every_module_once() -> None:
     assert not unnamed, f"CONTRIBUTING.md's Layout does not name {unnamed}"
     twice = sorted({m for m in named if named.count(m) > 1})
     assert not twice, f"CONTRIBUTING.md's Layout names these more than once: {twice}"
+
+
+def test_the_layout_names_every_folder() -> None:
+    layout = _section(CONTRIBUTING.read_text(), LAYOUT_HEADING)
+    folders = sorted(
+        init.parent.relative_to(REPO).as_posix() + "/"
+        for init in PACKAGE.rglob("__init__.py")
+        if init.parent != PACKAGE
+    )
+    assert "vllm_mamba_fix/rules/" in folders
+    unnamed = [f for f in folders if f not in layout]
+    assert not unnamed, f"CONTRIBUTING.md's Layout does not name the folders {unnamed}"
+
+
+def test_every_package_module_stays_under_400_lines() -> None:
+    sizes = {m: len((REPO / m).read_text().splitlines()) for m in package_modules()}
+    large = {m: n for m, n in sizes.items() if n >= 400}
+    assert not large, f"split these modules (at most 399 lines each): {large}"
+
+
+HEADER_FIELDS = ("# Rule:", "# Answers:", "# Runs on:", "# Decided:", "# Removed:")
+
+
+def opening_comments(path: Path) -> str:
+    """The comment block a module opens with (its header), before its docstring."""
+    lines = path.read_text().splitlines()
+    return "\n".join(itertools.takewhile(lambda line: line.startswith("#"), lines))
+
+
+def test_every_rule_has_a_module_that_opens_with_its_header() -> None:
+    headers = {p.name: opening_comments(p) for p in sorted((PACKAGE / "rules").glob("*.py"))}
+    for spec in RULES:
+        rule = re.escape(spec.rule.value)
+        owners = [n for n, h in headers.items() if re.match(rf"# Rule:\s+{rule}\b", h)]
+        assert len(owners) == 1, f"no one module under rules/ opens with the header of {rule}"
+        missing = [f for f in HEADER_FIELDS if f"\n{f}" not in "\n" + headers[owners[0]]]
+        assert not missing, f"rules/{owners[0]}'s header lacks {missing}"
 
 
 def config_rows(readme: str) -> set[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mamba_fix import config
+from vllm_mamba_fix.facts import config
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

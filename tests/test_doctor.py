@@ -22,17 +22,17 @@ from typing import Any
 import pytest
 
 from tools.releases import installed_release
-from vllm_mamba_fix.config import ALL_VARIABLES, Mode, Settings
+from vllm_mamba_fix.decide.policy import Rule
 from vllm_mamba_fix.doctor import (
     FALLBACK_METHODS,
     SpeculativeMethods,
     classify_speculative,
 )
 from vllm_mamba_fix.doctor.checks.speculative import OWN_KV_GROUP_TEXT
-from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.policy import Rule
-from vllm_mamba_fix.rules import plan
-from vllm_mamba_fix.versions import Verdict, family_for
+from vllm_mamba_fix.facts.config import ALL_VARIABLES, Mode, Settings
+from vllm_mamba_fix.facts.evidence import Evidence
+from vllm_mamba_fix.facts.versions import Verdict, family_for
+from vllm_mamba_fix.rules.table import plan
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "vllm_mamba_fix"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("vllm-mamba-fix")
@@ -169,13 +169,13 @@ def test_default_is_protected_and_json_has_the_fields(real: dict[str, Run]) -> N
     assert data["problems"] == []
     assert isinstance(data["elapsed_seconds"], float)
     # The support checks, where their modules are in this build.
-    if (PACKAGE_DIR / "stall_end.py").exists():
+    if (PACKAGE_DIR / "rules" / "end_order.py").exists():
         assert data["stall_end"]["checked"] is True
         assert set(data["stall_end"]["classes"]) == {
             "vllm.v1.core.sched.scheduler.Scheduler",
             "vllm.v1.core.sched.async_scheduler.AsyncScheduler",
         }
-    if (PACKAGE_DIR / "metrics.py").exists():
+    if (PACKAGE_DIR / "observe" / "metrics.py").exists():
         assert data["metrics"]["checked"] is True
         assert isinstance(data["metrics"]["available"], bool) and data["metrics"]["reason"]
 
@@ -1414,7 +1414,7 @@ def test_doctor_reads_the_tables_and_plans_only_in_plans() -> None:
                 offenders.append(f"{name}:{node.lineno} reads the environment")
             if (
                 isinstance(node, ast.ImportFrom)
-                and node.module == "vllm_mamba_fix.rules"
+                and node.module == "vllm_mamba_fix.rules.table"
                 and any(alias.name == "plan" for alias in node.names)
                 and path.name != "plans.py"
             ):
@@ -1447,8 +1447,9 @@ def test_support_checks_without_their_modules_are_info_lines(tmp_path: Path) -> 
 
 
 @pytest.mark.skipif(
-    not (PACKAGE_DIR / "metrics.py").exists() or not (PACKAGE_DIR / "stall_end.py").exists(),
-    reason="needs vllm_mamba_fix.metrics and vllm_mamba_fix.stall_end",
+    not (PACKAGE_DIR / "observe" / "metrics.py").exists()
+    or not (PACKAGE_DIR / "rules" / "end_order.py").exists(),
+    reason="needs vllm_mamba_fix.observe.metrics and vllm_mamba_fix.rules.end_order",
 )
 def test_support_checks_read_the_release(tmp_path: Path) -> None:
     # The fake release has neither vLLM's prometheus registry nor update_from_output.

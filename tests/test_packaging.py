@@ -68,6 +68,26 @@ def test_license_and_marker_files() -> None:
     assert "py.typed" in package_data["vllm_mamba_fix"]
 
 
+def test_package_discovery_finds_every_folder_of_the_package() -> None:
+    """pyproject's setuptools discovery takes every subpackage (each layer is a folder)."""
+    setuptools = pytest.importorskip("setuptools")
+    find = _pyproject()["tool"]["setuptools"]["packages"]["find"]
+    found = set(setuptools.find_packages(str(ROOT), include=find["include"]))
+    folders = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "vllm_mamba_fix").rglob("__init__.py")
+    }
+    assert {"vllm_mamba_fix.rules", "vllm_mamba_fix.doctor.checks"} <= folders
+    assert found == folders
+    # A folder of modules without __init__.py would be left out of the wheel.
+    loose = sorted(
+        path.parent.relative_to(ROOT).as_posix()
+        for path in (ROOT / "vllm_mamba_fix").rglob("*.py")
+        if not (path.parent / "__init__.py").is_file()
+    )
+    assert not loose, loose
+
+
 @pytest.fixture(scope="module")
 def dist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """sdist, then the wheel built from it, with the project venv's setuptools (no download)."""
@@ -105,12 +125,13 @@ def test_twine_check_passes(dist_dir: Path) -> None:
 def test_contents_check_catches_a_wheel_without_license_or_entry_point(
     dist_dir: Path, tmp_path: Path
 ) -> None:
-    """The checker itself: strip LICENSE and the entry point from a copy of the wheel."""
+    """The checker itself: strip LICENSE, the entry point and a module of a subpackage from a
+    copy of the wheel."""
     (wheel,) = dist_dir.glob("*.whl")
     broken = tmp_path / wheel.name
     with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(broken, "w") as dst:
         for item in src.infolist():
-            if item.filename.endswith("licenses/LICENSE"):
+            if item.filename.endswith("licenses/LICENSE") or item.filename.endswith("/table.py"):
                 continue
             data = src.read(item)
             if item.filename.endswith("entry_points.txt"):
@@ -120,6 +141,7 @@ def test_contents_check_catches_a_wheel_without_license_or_entry_point(
     artefacts.check_wheel(broken, checks, vllm_mamba_fix.__version__)
     assert any("LICENSE" in f for f in checks.failures), checks.failures
     assert any("entry point" in f for f in checks.failures), checks.failures
+    assert any("vllm_mamba_fix/rules/table.py" in f for f in checks.failures), checks.failures
 
 
 def test_contents_check_catches_an_incomplete_sdist(dist_dir: Path, tmp_path: Path) -> None:

@@ -105,12 +105,18 @@ def check_sdist(sdist: Path, checks: Checks, root: Path = REPO) -> None:
     checks.check(not stray, "sdist carries no caches", ", ".join(stray[:10]))
 
 
-def check_wheel(wheel: Path, checks: Checks, version: str) -> None:
+def check_wheel(wheel: Path, checks: Checks, version: str, root: Path = REPO) -> None:
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         info = f"{PACKAGE}-{version}.dist-info"
         checks.check(f"{info}/licenses/LICENSE" in names, "wheel carries LICENSE", wheel.name)
         checks.check(f"{PACKAGE}/py.typed" in names, "wheel carries py.typed")
+        tracked = tracked_files(root)
+        if tracked is None:  # an unpacked sdist: every file there is the package's
+            tracked = [p.relative_to(root).as_posix() for p in (root / PACKAGE).rglob("*.py")]
+        modules = {p for p in tracked if p.startswith(f"{PACKAGE}/") and p.endswith(".py")}
+        missing = ", ".join(sorted(modules - names))
+        checks.check(not missing, "wheel carries every module, subpackages included", missing)
         outside = sorted({n.split("/", 1)[0] for n in names} - {PACKAGE, info})
         checks.check(not outside, "wheel holds only the package", ", ".join(outside))
         entry_points = zf.read(f"{info}/entry_points.txt").decode()

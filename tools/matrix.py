@@ -51,7 +51,7 @@ COMPATIBILITY_DOC = REPO / "docs" / "compatibility.md"  # where --readme writes 
 ALL_MODES: tuple[str, ...] = ("sync", "async", "sync+mtp2", "async+mtp2")
 
 
-# CI: one release per family (vllm_mamba_fix.versions.FAMILIES) and the modes it runs there.
+# CI: one release per family (vllm_mamba_fix.facts.versions.FAMILIES) and the modes it runs there.
 # Every mode on 0.27.1, the last affected release. Elsewhere sync, plus sync+mtp2 on 0.28.0:
 # on 0.28-0.32 the speculative-stall rule is all the plugin does, and it needs MTP to act.
 # The newest family is represented by the newest release (0.34.0), which is what a new
@@ -88,8 +88,8 @@ def probe() -> dict[str, Any]:
     import vllm_mamba_fix
     from tools import scenarios as sc
     from tools import sched_harness as harness
-    from vllm_mamba_fix.counters import reset as reset_counters
-    from vllm_mamba_fix.versions import family_for
+    from vllm_mamba_fix.facts.versions import family_for
+    from vllm_mamba_fix.observe.counters import reset as reset_counters
 
     version = harness.vllm_version()
     family = family_for(version)
@@ -172,7 +172,7 @@ def _installed_rules() -> list[str]:
     """The rules the wrappers installed now carry, in the rule table's order."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix import rules
+    from vllm_mamba_fix.rules import table as rules
 
     carried = set().union(
         *(rules.carried_by(Scheduler.__dict__.get(n), n) for n in rules.RULE_METHODS)
@@ -183,7 +183,8 @@ def _installed_rules() -> list[str]:
 def _wrapped_methods() -> list[str]:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix import patch, rules
+    from vllm_mamba_fix.install import patch
+    from vllm_mamba_fix.rules import table as rules
 
     return [name for name in rules.RULE_METHODS if patch.is_wrapped(Scheduler, name)]
 

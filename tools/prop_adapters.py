@@ -183,7 +183,7 @@ def drive(
     scenario: PropScenario, *, max_steps: int, stall_steps: int = 30, mode: Mode = SYNC
 ) -> Trace:
     """Submit the requests at their steps and step until all finished or stalled."""
-    from vllm_mamba_fix import counters
+    from vllm_mamba_fix.observe import counters
 
     h = harness.Harness(scenario.config(mode))
     corrections: list[tuple[int, str, str]] = []
@@ -282,10 +282,11 @@ def wrapped_without_realign() -> Iterator[None]:
     """The plugin's wrapper with only the re-align rule switched off."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix import patch, wrappers
-    from vllm_mamba_fix.config import Scope
-    from vllm_mamba_fix.scope import ScopePolicy
-    from vllm_mamba_fix.versions import family_for
+    from vllm_mamba_fix.decide.scope import ScopePolicy
+    from vllm_mamba_fix.facts.config import Scope
+    from vllm_mamba_fix.facts.versions import family_for
+    from vllm_mamba_fix.install import patch
+    from vllm_mamba_fix.rules import wrappers
 
     family = family_for(harness.vllm_version())
     assert family.prefill_gate is not None

@@ -204,7 +204,7 @@ def what_to_diff(previous: str, new: str) -> list[str]:
     lines = [f"Diff {new} against {previous} (python -m tools.releases --diff {previous} {new}):"]
     lines += [f"  - {w.qualname} in {w.path}: {w.why}" for w in WATCHED]
     lines.append(
-        "  - the split's signature, against vllm_mamba_fix/targets.py (a new parameter makes "
+        "  - the split's signature, against vllm_mamba_fix/facts/targets.py (a new parameter makes "
         "the plugin stand down)"
     )
     return lines

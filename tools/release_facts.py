@@ -4,7 +4,7 @@ The plugin measures these live (the block, the cut shift, the parameters it is c
 with) or never needs them, so they live here, beside the tests that check them against
 each release's code (``tests/unit/test_versions.py``, ``tests/scheduler/test_evidence.py``)
 and the tests whose expectations depend on them. One :class:`ReleaseFacts` per family
-of :data:`vllm_mamba_fix.versions.FAMILIES` (and the ``unknown`` family), by name.
+of :data:`vllm_mamba_fix.facts.versions.FAMILIES` (and the ``unknown`` family), by name.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from vllm_mamba_fix.versions import Family
+from vllm_mamba_fix.facts.versions import Family
 
 
 class CutShift(enum.Enum):

@@ -25,7 +25,7 @@ from tools.sched_harness import (
     video_layout,
     vllm_version,
 )
-from vllm_mamba_fix.versions import family_for
+from vllm_mamba_fix.facts.versions import family_for
 
 IMAGE_TOKENS = 11_844
 # A Qwen3-VL video of about one image's size: 8 temporal patches of 1,480 pads (11,840

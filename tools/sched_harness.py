@@ -1485,7 +1485,7 @@ def split_rule_installed() -> bool:
     """
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix.targets import MARKER
+    from vllm_mamba_fix.facts.targets import MARKER
 
     options = getattr(Scheduler.__dict__.get("_mamba_block_aligned_split"), MARKER, None)
     return bool(getattr(options, "deadlock_rules", False))

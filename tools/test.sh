@@ -51,7 +51,8 @@ py=$venv/bin/python
 phase lint
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
-# The import contracts in pyproject.toml: no cycle, plain-value modules stay plain.
+# The import contracts in pyproject.toml: the layers (every module in one, none importing a
+# higher one), no vLLM in facts and decisions, observers plugged in rather than imported.
 "$venv/bin/lint-imports" --no-cache >/dev/null || "$venv/bin/lint-imports" --no-cache
 
 # The wheel as users install it: built, twine-checked, installed (not editable) into its own

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 # The version is written once, in _version.py, which pyproject.toml reads.
 from vllm_mamba_fix._version import __version__
-from vllm_mamba_fix.counters import stats
-from vllm_mamba_fix.plugin import register, unregister
-from vllm_mamba_fix.record import records
+from vllm_mamba_fix.install.plugin import register, unregister
+from vllm_mamba_fix.observe.counters import stats
+from vllm_mamba_fix.observe.record import records
 
 __all__ = ["__version__", "records", "register", "stats", "unregister"]

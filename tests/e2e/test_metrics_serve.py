@@ -39,8 +39,8 @@ from tests.e2e.serve_helpers import (
     scrape_metrics,
 )
 from tests.e2e.test_serve import StreamingRequest
-from vllm_mamba_fix import counters, metrics
-from vllm_mamba_fix.decision import Action
+from vllm_mamba_fix.decide.decision import Action
+from vllm_mamba_fix.observe import counters, metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -97,7 +97,7 @@ def _all_series_present(scraped: dict[str, float]) -> None:
 # directory is left behind with a counter file in it.
 KILLED_SERVER = """
 import multiprocessing as mp, os, signal
-from vllm_mamba_fix import metrics
+from vllm_mamba_fix.observe import metrics
 
 def engine_core():
     metrics.prepare()

@@ -2,7 +2,7 @@
 end has its request finished within the bound; ``/health`` stays 200; the requests queued behind
 it complete; the server serves the same images afterwards; a client that does not stream reads
 the abort with the cause and the remedy. Issue 27 item 3: a streaming client reads vLLM's error
-event with the same message before ``[DONE]`` (vllm_mamba_fix/stream_end.py), and
+event with the same message before ``[DONE]`` (vllm_mamba_fix/install/stream_end.py), and
 examples/openai_two_images_stream.py reports it; every other stream's bytes are the same as
 with the stream report off (``VLLM_MAMBA_FIX_END_STALLS_AFTER=off``).
 
@@ -37,7 +37,7 @@ import pytest
 
 from tests.e2e.serve_helpers import image_data_url, run_server
 from tools.engine_demo import REPO
-from vllm_mamba_fix.stall_end import CLIENT_MESSAGE_PREFIX
+from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX
 
 pytestmark = pytest.mark.e2e
 
@@ -53,7 +53,7 @@ ENV = {
 ENDED_LINE = re.compile(
     r"\(EngineCore pid=\d+\).*vllm-mamba-fix: ended request (\S+): 0 tokens at token (\d+)"
 )
-# The API server's line where the stream report is installed (vllm_mamba_fix/stream_end.py).
+# The API server's line where the stream report is installed (vllm_mamba_fix/install/stream_end.py).
 REPORT_LINE = re.compile(
     r"^(?!.*EngineCore).*vllm-mamba-fix: OpenAIServingChat\.chat_completion_stream_generator: "
     r"a request the plugin ends is streamed as an error",

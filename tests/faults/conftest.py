@@ -23,7 +23,9 @@ from typing import Any
 
 import pytest
 
-from vllm_mamba_fix import counters, import_hook, patch, plugin, record, targets
+from vllm_mamba_fix.facts import targets
+from vllm_mamba_fix.install import import_hook, patch, plugin
+from vllm_mamba_fix.observe import counters, record
 
 PLUGIN_LOGGER = "vllm.mamba_fix"
 SCHEDULER_MODULE = targets.SCHEDULER_MODULE

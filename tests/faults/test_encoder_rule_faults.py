@@ -24,8 +24,11 @@ from tests.faults.conftest import (
     FakeVllm,
     LogCapture,
 )
-from vllm_mamba_fix import encoder_wrapper, patch, register, targets
-from vllm_mamba_fix.scope import ScopePolicy
+from vllm_mamba_fix import register
+from vllm_mamba_fix.decide.scope import ScopePolicy
+from vllm_mamba_fix.facts import targets
+from vllm_mamba_fix.install import patch
+from vllm_mamba_fix.rules import encoder_wrapper
 
 FakeFactory = Callable[..., FakeVllm]
 ENCODER = targets.ENCODER_METHOD
@@ -98,7 +101,7 @@ def test_vllms_own_error_in_the_encoder_method_propagates(fake_vllm: FakeFactory
     setattr(scheduler, ENCODER, boom)
     try:
         options = encoder_wrapper.EncoderOptions(
-            ScopePolicy(vllm_mamba_fix.config.Scope.MULTIMODAL), True, 0.0
+            ScopePolicy(vllm_mamba_fix.facts.config.Scope.MULTIMODAL), True, 0.0
         )
         patch.wrap_encoder(scheduler, options)
         with pytest.raises(VllmOwnError) as excinfo:

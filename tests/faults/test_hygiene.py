@@ -30,7 +30,7 @@ METRICS_VARIABLES = {
 OWN_VARIABLES |= METRICS_VARIABLES
 # Modules allowed to touch the environment: configuration only (doctor reads it through
 # config.raw_values). Paths relative to the package; subpackages are scanned too.
-ENV_MODULES = {"config.py"}
+ENV_MODULES = {"facts/config.py"}
 
 
 class RecordingEnviron(MutableMapping[str, str]):
@@ -157,7 +157,7 @@ def test_logs_carry_no_prompt_content(
     broken = PromptRequest("req-broken")
     del broken.num_prompt_tokens
     split_as_vllm(scheduler, broken, 100, 40)  # failure path
-    from vllm_mamba_fix import counters
+    from vllm_mamba_fix.observe import counters
 
     counters.log_summary()
     unregister()

@@ -28,20 +28,14 @@ from tests.faults.conftest import (
     scheduler_method,
     split_as_vllm,
 )
-from vllm_mamba_fix import (
-    import_hook,
-    patch,
-    plugin,
-    record,
-    register,
-    targets,
-    unregister,
-    versions,
-    wrappers,
-)
-from vllm_mamba_fix.policy import Rule
-from vllm_mamba_fix.record import MethodState
-from vllm_mamba_fix.scope import ScopePolicy
+from vllm_mamba_fix import register, unregister
+from vllm_mamba_fix.decide.policy import Rule
+from vllm_mamba_fix.decide.scope import ScopePolicy
+from vllm_mamba_fix.facts import targets, versions
+from vllm_mamba_fix.install import import_hook, patch, plugin
+from vllm_mamba_fix.observe import record
+from vllm_mamba_fix.observe.record import MethodState
+from vllm_mamba_fix.rules import wrappers
 
 FakeFactory = Callable[..., FakeVllm]
 

@@ -22,7 +22,7 @@ logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s %(messag
 import vllm_mamba_fix
 vllm_mamba_fix.register()
 vllm_mamba_fix.register()
-from vllm_mamba_fix import import_hook
+from vllm_mamba_fix.install import import_hook
 print("RESULT hook_pending", import_hook._pending_hook is not None)
 """
 

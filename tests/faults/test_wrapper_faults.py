@@ -10,7 +10,8 @@ import pytest
 
 from tests.conftest import InstallScopeRule
 from tests.faults.conftest import BLOCK, FakeRequest, FakeVllm, LogCapture, scheduler_method
-from vllm_mamba_fix import register, targets, unregister
+from vllm_mamba_fix import register, unregister
+from vllm_mamba_fix.facts import targets
 
 FakeFactory = Callable[..., FakeVllm]
 
@@ -197,7 +198,7 @@ def test_scope_all_corrects_a_text_zero_only_where_it_never_clears(
     fake_vllm: FakeFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A text request's 0 is a wait for budget unless the block exceeds the longest chunk."""
-    from vllm_mamba_fix.stalls import tracked_requests
+    from vllm_mamba_fix.decide.stalls import tracked_requests
 
     monkeypatch.setenv("VLLM_MAMBA_FIX_SCOPE", "all")
     # A release whose split floors every chunk of a block wider than its longest to 0.

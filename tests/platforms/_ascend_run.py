@@ -76,7 +76,7 @@ class _Collect(logging.Handler):
 
 
 def _case(cfg: harness.HarnessConfig) -> dict[str, Any]:
-    from vllm_mamba_fix import record
+    from vllm_mamba_fix.observe import record
 
     out: dict[str, Any] = {"error": None}
     try:

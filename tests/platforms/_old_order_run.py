@@ -16,7 +16,7 @@ from typing import Any
 from tests.platforms.layout import CONFIG, run
 from tests.platforms.old_order import build_old_order_subclass
 from tools import sched_harness as harness
-from vllm_mamba_fix.targets import MARKER, SPLIT_METHOD
+from vllm_mamba_fix.facts.targets import MARKER, SPLIT_METHOD
 
 
 class _Collect(logging.Handler):
@@ -52,8 +52,8 @@ def main(work_dir: str) -> None:
     import vllm
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix import record
-    from vllm_mamba_fix.evidence import read_evidence
+    from vllm_mamba_fix.facts.evidence import read_evidence
+    from vllm_mamba_fix.observe import record
 
     subclass = build_old_order_subclass(Path(work_dir))
     vllms_own_split = Scheduler.__dict__[SPLIT_METHOD]

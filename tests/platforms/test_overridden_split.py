@@ -19,10 +19,10 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from tools import scenarios as sc
 from tools import sched_harness as harness
 from tools.release_facts import facts_for
-from vllm_mamba_fix import record
-from vllm_mamba_fix.record import MethodState
-from vllm_mamba_fix.targets import MARKER, SPLIT_METHOD
-from vllm_mamba_fix.versions import family_for
+from vllm_mamba_fix.facts.targets import MARKER, SPLIT_METHOD
+from vllm_mamba_fix.facts.versions import family_for
+from vllm_mamba_fix.observe import record
+from vllm_mamba_fix.observe.record import MethodState
 
 MAMBA_CHUNK_SIZE = 64  # gaudi reads it from the model config; 64 is Qwen3.5's GDN chunk
 

@@ -23,10 +23,10 @@ import pytest
 from tools import scenarios as sc
 from tools import sched_harness as harness
 from tools.release_facts import facts_for
-from vllm_mamba_fix import record
-from vllm_mamba_fix.record import MethodState
-from vllm_mamba_fix.targets import MARKER, SPLIT_METHOD
-from vllm_mamba_fix.versions import family_for
+from vllm_mamba_fix.facts.targets import MARKER, SPLIT_METHOD
+from vllm_mamba_fix.facts.versions import family_for
+from vllm_mamba_fix.observe import record
+from vllm_mamba_fix.observe.record import MethodState
 
 STAND_IN = "ascend_style_patch_scheduler"
 BASE = "vllm.v1.core.sched.scheduler.Scheduler"

@@ -5,7 +5,7 @@ vLLM's own MTP `SpeculativeConfig`) of the release `import vllm` finds:
 
 - stock: the plugin unregistered, vLLM's own methods;
 - plugin: loaded through vLLM's `load_general_plugins()` with its defaults (nothing
-  forced, no variable set), the watchdog's clock (`vllm_mamba_fix.stalls.clock`) moving
+  forced, no variable set), the watchdog's clock (`vllm_mamba_fix.decide.stalls.clock`) moving
   100 s on every reading, longer than both bounds (30 s to name, 60 s to end), so the
   watchdog names and the end ends as early as they ever could.
 
@@ -45,9 +45,11 @@ from tools import prop_adapters as pa
 from tools import sched_harness as harness
 from tools.prop_adapters import PropRequest, PropScenario
 from tools.sched_harness import HarnessConfig, Mode
-from vllm_mamba_fix import config as plugin_config
-from vllm_mamba_fix import counters, stall_watch, stalls
-from vllm_mamba_fix.versions import release_of
+from vllm_mamba_fix.decide import stalls
+from vllm_mamba_fix.facts import config as plugin_config
+from vllm_mamba_fix.facts.versions import release_of
+from vllm_mamba_fix.observe import counters
+from vllm_mamba_fix.rules import stall_watch
 
 IDLE_STEPS = 16  # steps with no progress anywhere: what is left waits forever
 PER_CALL = 100.0  # virtual seconds per clock reading: past both bounds at once

@@ -68,7 +68,7 @@ MAX_REQUESTS = 4
 
 def _family() -> Any:
     from tools.sched_harness import vllm_version
-    from vllm_mamba_fix.versions import family_for
+    from vllm_mamba_fix.facts.versions import family_for
 
     return family_for(vllm_version())
 

@@ -17,7 +17,7 @@ pytest.importorskip("hypothesis")
 from tests.properties._support import FIGURES, PROFILE_NAME
 from tools import prop_adapters
 from tools import sched_harness as harness
-from vllm_mamba_fix.versions import release_of
+from vllm_mamba_fix.facts.versions import release_of
 
 # 0.17.x validate the engine config against the block size they derive for the
 # model (1056) and reject most generated block/budget combinations before a
@@ -47,7 +47,7 @@ def stock_scheduler() -> Iterator[None]:
 
 
 def _family() -> tuple[str, str]:
-    from vllm_mamba_fix.versions import family_for
+    from vllm_mamba_fix.facts.versions import family_for
 
     version = harness.vllm_version()
     return version, family_for(version).name

@@ -43,7 +43,8 @@ from tools import prop_adapters as pa
 from tools import sched_harness as harness
 from tools.prop_adapters import PropRequest, PropScenario
 from tools.sched_harness import HarnessConfig, Mode
-from vllm_mamba_fix import stall_watch, stalls
+from vllm_mamba_fix.decide import stalls
+from vllm_mamba_fix.rules import stall_watch
 
 IDLE_STEPS = 30
 ENV = {"VLLM_MAMBA_FIX_STALL_SECONDS": "30", "VLLM_MAMBA_FIX_END_STALLS_AFTER": "30"}

@@ -2,7 +2,7 @@
 
 Every test runs on the vLLM that `import vllm` finds: the environment's
 (0.27.1) or a release overlay that tools/matrix.py puts first on PYTHONPATH.
-Expectations come from that release's family (vllm_mamba_fix.versions).
+Expectations come from that release's family (vllm_mamba_fix.facts.versions).
 
 A test that takes the `sched_mode` fixture runs once per harness mode
 ({sync, async} x {no speculation, MTP K=2}; $VLLM_MAMBA_FIX_HARNESS_MODES
@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tools import sched_harness as harness
-from vllm_mamba_fix.versions import Family, family_for
+from vllm_mamba_fix.facts.versions import Family, family_for
 
 PLUGIN_ENV = ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS")
 
@@ -94,9 +94,10 @@ def wrapped_without_realign(family: Family) -> Iterator[None]:
     """The plugin's wrapper with only the re-align rule switched off."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix import patch, wrappers
-    from vllm_mamba_fix.config import Scope
-    from vllm_mamba_fix.scope import ScopePolicy
+    from vllm_mamba_fix.decide.scope import ScopePolicy
+    from vllm_mamba_fix.facts.config import Scope
+    from vllm_mamba_fix.install import patch
+    from vllm_mamba_fix.rules import wrappers
 
     assert family.prefill_gate is not None
     options = wrappers.WrapOptions(

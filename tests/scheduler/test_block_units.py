@@ -16,8 +16,9 @@ import pytest
 
 from tools import sched_harness as harness
 from tools.sched_harness import HarnessConfig, RequestSpec
-from vllm_mamba_fix import record, stats
-from vllm_mamba_fix.versions import Family, Verdict
+from vllm_mamba_fix import stats
+from vllm_mamba_fix.facts.versions import Family, Verdict
+from vllm_mamba_fix.observe import record
 
 CACHED, CONFIGURED = 256, 128
 DEMO = HarnessConfig(
@@ -162,7 +163,7 @@ def test_an_aborted_stalled_request_leaves_no_streak(family: Family, load_plugin
     """An image larger than the encoder cache gets 0 on every step; aborting it ends its state."""
     from vllm.v1.request import RequestStatus
 
-    from vllm_mamba_fix.stalls import tracked_requests
+    from vllm_mamba_fix.decide.stalls import tracked_requests
 
     _affected(family)
     load_plugin()  # 0.28+: only the block-unit rule wraps the split

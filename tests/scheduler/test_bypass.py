@@ -18,9 +18,9 @@ from typing import Any
 
 from tools import sched_harness as harness
 from tools.sched_harness import Harness, HarnessConfig, RequestSpec
-from vllm_mamba_fix.blocks import ARM_ATTR, SPLIT_ATTR
-from vllm_mamba_fix.targets import MARKER, SPLIT_METHOD
-from vllm_mamba_fix.versions import Family
+from vllm_mamba_fix.facts.blocks import ARM_ATTR, SPLIT_ATTR
+from vllm_mamba_fix.facts.targets import MARKER, SPLIT_METHOD
+from vllm_mamba_fix.facts.versions import Family
 
 CONFIG = HarnessConfig(block_size=256, max_num_batched_tokens=384, encoder_cache_tokens=256,
                        max_model_len=4096, max_num_seqs=8)  # fmt: skip

@@ -24,7 +24,7 @@ from tests.stall_end_helpers import install_clock
 from tools import sched_harness as harness
 from tools.sched_harness import HarnessConfig, RequestSpec
 from vllm_mamba_fix import stats
-from vllm_mamba_fix.versions import Family, Verdict
+from vllm_mamba_fix.facts.versions import Family, Verdict
 
 CACHED, CONFIGURED = 256, 128
 # Far more than the watchdog's 30 s and the end's 60 s on every clock reading.

@@ -21,8 +21,8 @@ from tests.scheduler.test_drafter_block import engine_core_source
 from tools import sched_harness as harness
 from tools.sched_harness import HarnessConfig
 from vllm_mamba_fix import __version__, records
+from vllm_mamba_fix.decide.policy import Rule
 from vllm_mamba_fix.doctor.core import run as doctor_run
-from vllm_mamba_fix.policy import Rule
 
 BASE = "vllm.v1.core.sched.scheduler.Scheduler"
 ALL_RULES = [r.value for r in Rule]  # the active line's order

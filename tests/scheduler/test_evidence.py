@@ -9,9 +9,9 @@ from __future__ import annotations
 import inspect
 
 from tools.release_facts import CutShift, facts_for
-from vllm_mamba_fix import targets
-from vllm_mamba_fix.evidence import read_evidence
-from vllm_mamba_fix.versions import Family, Verdict
+from vllm_mamba_fix.facts import targets
+from vllm_mamba_fix.facts.evidence import read_evidence
+from vllm_mamba_fix.facts.versions import Family, Verdict
 
 
 def _scheduler() -> type:

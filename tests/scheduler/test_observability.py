@@ -12,8 +12,8 @@ from tests.conftest import InstallScopeRule
 from tools import scenarios as sc
 from tools.release_facts import facts_for
 from vllm_mamba_fix import records, stats
-from vllm_mamba_fix.counters import reset
-from vllm_mamba_fix.versions import Family
+from vllm_mamba_fix.facts.versions import Family
+from vllm_mamba_fix.observe.counters import reset
 
 COUNTER_OF_ACTION = {
     "collapse-prevented": "collapses_prevented",

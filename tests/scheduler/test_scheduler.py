@@ -16,7 +16,7 @@ from tools import scenarios as sc
 from tools import sched_harness as harness
 from tools.release_facts import facts_for
 from tools.sched_harness import Mode
-from vllm_mamba_fix.versions import Family, Verdict, release_of
+from vllm_mamba_fix.facts.versions import Family, Verdict, release_of
 
 STALLING = pytest.mark.parametrize("scenario", sc.STALLING, ids=lambda s: s.name)
 EVERY = pytest.mark.parametrize("scenario", sc.ALL, ids=lambda s: s.name)

@@ -16,7 +16,7 @@ import pytest
 from tools import sched_harness as harness
 from tools.scenarios import text_request
 from tools.sched_harness import HarnessConfig, RunResult
-from vllm_mamba_fix.versions import Family, release_of
+from vllm_mamba_fix.facts.versions import Family, release_of
 
 CAP = 512
 

@@ -7,7 +7,7 @@ tokens apart that do not fit the encoder cache together then park the request
 for good. The plugin ends that on 0.24-0.32; before 0.24 (the model runner
 asserts on any encoder-cache miss) its watchdog names the stall instead.
 
-Expectations come from the family (vllm_mamba_fix.versions) and the mode.
+Expectations come from the family (vllm_mamba_fix.facts.versions) and the mode.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tools import sched_harness as harness
 from tools.release_facts import facts_for
 from tools.scenarios import ISSUE_CONFIG, image_request, text_request
 from tools.sched_harness import Mode, RunResult
-from vllm_mamba_fix.versions import Family, release_of
+from vllm_mamba_fix.facts.versions import Family, release_of
 
 GAPS = (0, 1, 2)
 
@@ -28,7 +28,8 @@ GAPS = (0, 1, 2)
 def _encoder_is_wrapped() -> bool:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix import patch, targets
+    from vllm_mamba_fix.facts import targets
+    from vllm_mamba_fix.install import patch
 
     return patch.is_wrapped(Scheduler, targets.ENCODER_METHOD)
 

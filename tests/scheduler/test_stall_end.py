@@ -33,8 +33,8 @@ from tools import sched_harness as harness
 from tools.release_facts import facts_for
 from tools.scenarios import ISSUE_CONFIG, image_request, text_request
 from tools.sched_harness import HarnessConfig, Mode, RequestSpec
-from vllm_mamba_fix import counters
-from vllm_mamba_fix.versions import Family, release_of
+from vllm_mamba_fix.facts.versions import Family, release_of
+from vllm_mamba_fix.observe import counters
 
 STEP_SECONDS = 5.0
 BOUND = 30.0  # VLLM_MAMBA_FIX_END_STALLS_AFTER in these tests
@@ -95,7 +95,7 @@ def _watchdog_seconds() -> float | None:
     """The watchdog's seconds as the plugin installed it (None: not installed)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix.targets import ENCODER_METHOD, MARKER
+    from vllm_mamba_fix.facts.targets import ENCODER_METHOD, MARKER
 
     options = getattr(getattr(Scheduler, ENCODER_METHOD, None), MARKER, None)
     return getattr(options, "stall_seconds", None)
@@ -222,7 +222,8 @@ def test_an_order_for_a_moving_request_is_dropped(
     """The finish's own guard: an end order (as the decision places one) for a request that
     moved since, or is in the batch being updated, is dropped. One request, sync, so it is
     scheduled in every step until it finishes; an order before each step."""
-    from vllm_mamba_fix import stall_end, stalls
+    from vllm_mamba_fix.decide import stalls
+    from vllm_mamba_fix.rules import end_order
 
     install_clock(monkeypatch)
     load_with_stall_end(lambda **env: load_plugin(**_env(str(BOUND)), **env))
@@ -235,24 +236,24 @@ def test_an_order_for_a_moving_request_is_dropped(
         orders = 0
         while not request.is_finished() and h.step_index < 50:
             streak, _ = store.zero("healthy", request.num_computed_tokens, 0.0)
-            order = stall_end.EndOrder(
+            order = end_order.EndOrder(
                 "healthy", request.num_computed_tokens, request.num_computed_tokens, store,
                 streak, "test order", f"{ENDED_PREFIX}: test",
             )  # fmt: skip
-            h.scheduler.__dict__.setdefault(stall_end.ORDERS_ATTR, {})["healthy"] = order
+            h.scheduler.__dict__.setdefault(end_order.ORDERS_ATTR, {})["healthy"] = order
             orders += 1
             h.step()
     assert request.is_finished() and orders >= 3
     assert not ended(finishes)
     _assert_completed(finishes, "healthy")
-    assert not h.scheduler.__dict__[stall_end.ORDERS_ATTR]
+    assert not h.scheduler.__dict__[end_order.ORDERS_ATTR]
 
 
 def test_every_scheduler_class_can_end(family: Family) -> None:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix.stall_end import support
+    from vllm_mamba_fix.rules.end_order import support
 
     assert support(Scheduler) is None
     assert support(AsyncScheduler) is None

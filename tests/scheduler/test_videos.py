@@ -18,7 +18,7 @@ from tools import scenarios as sc
 from tools import sched_harness as harness
 from tools.release_facts import facts_for
 from tools.sched_harness import Mode
-from vllm_mamba_fix.versions import Family, Verdict
+from vllm_mamba_fix.facts.versions import Family, Verdict
 
 VIDEOS = pytest.mark.parametrize("scenario", sc.VIDEOS, ids=lambda s: s.name)
 TIMESTAMP = re.compile(rb"<\d+\.\d seconds>")

@@ -28,7 +28,7 @@ import pytest
 
 from tools import sched_harness as harness
 from tools.sched_harness import HarnessConfig, Mode, RequestSpec, RunResult
-from vllm_mamba_fix.versions import Family, release_of
+from vllm_mamba_fix.facts.versions import Family, release_of
 
 BLOCK = 256
 PROMPT = RequestSpec("cold", 600, ((1, 256), (257, 256)), max_tokens=2, seed=5)
@@ -149,9 +149,10 @@ def test_watchdog_names_it_where_no_rule_ends_it(
         pytest.skip("0.33+: no shifted encoder window, no stall")
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix import encoder_wrapper, patch
-    from vllm_mamba_fix.config import Scope
-    from vllm_mamba_fix.scope import ScopePolicy
+    from vllm_mamba_fix.decide.scope import ScopePolicy
+    from vllm_mamba_fix.facts.config import Scope
+    from vllm_mamba_fix.install import patch
+    from vllm_mamba_fix.rules import encoder_wrapper
 
     def rule_off() -> None:
         harness.unload_plugin()

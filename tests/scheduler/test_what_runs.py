@@ -20,11 +20,11 @@ from tests.platforms.old_order import build_old_order_subclass
 from tools import sched_harness as harness
 from tools.sched_harness import HarnessConfig, RequestSpec
 from vllm_mamba_fix import records, stats
-from vllm_mamba_fix.policy import Rule
-from vllm_mamba_fix.record import ClassRecord, MethodState
-from vllm_mamba_fix.rules import SPLIT_RULES
-from vllm_mamba_fix.targets import SPLIT_METHOD
-from vllm_mamba_fix.versions import Family, Verdict
+from vllm_mamba_fix.decide.policy import Rule
+from vllm_mamba_fix.facts.targets import SPLIT_METHOD
+from vllm_mamba_fix.facts.versions import Family, Verdict
+from vllm_mamba_fix.observe.record import ClassRecord, MethodState
+from vllm_mamba_fix.rules.table import SPLIT_RULES
 
 BASE = "vllm.v1.core.sched.scheduler.Scheduler"
 SMALL = HarnessConfig(block_size=256, max_num_batched_tokens=384, encoder_cache_tokens=256,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mamba_fix.config import Mode, Scope, load_settings, vllm_plugins_allows
+from vllm_mamba_fix.facts.config import Mode, Scope, load_settings, vllm_plugins_allows
 
 
 @pytest.mark.parametrize(

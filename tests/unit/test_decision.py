@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_mamba_fix.decision import (
+from vllm_mamba_fix.decide.decision import (
     Action,
     Decision,
     can_need_correction,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mamba_fix.evidence import (
+from vllm_mamba_fix.facts.evidence import (
     deferred_encoder_free,
     read_evidence,
     split_after_encoder,

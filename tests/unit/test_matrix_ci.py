@@ -10,7 +10,7 @@ import pytest
 from tools import releases
 from tools.matrix import CI_MODES, default_releases
 from tools.sched_harness import MODES_BY_NAME
-from vllm_mamba_fix.versions import family_for
+from vllm_mamba_fix.facts.versions import family_for
 
 
 def test_one_release_per_family_and_every_family() -> None:
@@ -67,7 +67,7 @@ def test_the_key_covers_what_the_release_subprocess_runs() -> None:
 
 def _tree(root: Path) -> None:
     for rel in (
-        "vllm_mamba_fix/rules.py",
+        "vllm_mamba_fix/rules/table.py",
         "tools/sched_harness.py",
         "tests/scheduler/t.py",
         "tests/properties/t.py",
@@ -87,7 +87,7 @@ def _key(root: Path, release: str = "0.27.1", cell: str = "sync", **settings: st
 
 @pytest.mark.parametrize(
     "changed",
-    ["vllm_mamba_fix/rules.py", "tools/sched_harness.py", "tests/scheduler/t.py",
+    ["vllm_mamba_fix/rules/table.py", "tools/sched_harness.py", "tests/scheduler/t.py",
      "tests/properties/t.py", "tests/conftest.py", "pyproject.toml",
      "vllm_mamba_fix/new_module.py"],
 )  # fmt: skip
@@ -197,7 +197,7 @@ def test_a_changed_source_file_reruns_every_cell(
     runs = FakeRuns()
     monkeypatch.setattr(matrix, "_run_cells", runs)
     matrix.run_release("0.27.1", 60, [], ["sync"], _keys(cache))
-    (cache / "vllm_mamba_fix/rules.py").write_text("# a new rule\n")
+    (cache / "vllm_mamba_fix/rules/table.py").write_text("# a new rule\n")
     row = matrix.run_release("0.27.1", 60, [], ["sync"], _keys(cache))
     assert runs.calls == [["base", "sync"], ["base", "sync"]] and row.cells_reused == 0
 
@@ -239,7 +239,7 @@ def test_reuse_sources_finishes_a_regeneration_after_a_commit(
     monkeypatch.setattr(matrix, "_run_cells", runs)
     old = _keys(cache)
     matrix.run_release("0.27.1", 60, [], ["sync"], old)
-    (cache / "vllm_mamba_fix/rules.py").write_text("# a small later commit\n")
+    (cache / "vllm_mamba_fix/rules/table.py").write_text("# a small later commit\n")
     new = dataclasses.replace(_keys(cache), earlier=(old.sources,))
     row = matrix.run_release("0.27.1", 60, [], ["sync", "async"], new)
     assert runs.calls == [["base", "sync"], ["async"]]  # only the unfinished cell runs

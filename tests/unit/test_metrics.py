@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from vllm_mamba_fix import counters, metrics
+from vllm_mamba_fix.observe import counters, metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 # that count, then read vLLM's registry the way the API server builds /metrics.
 PARENT = """
 import json, multiprocessing as mp, os, sys, threading
-from vllm_mamba_fix import counters, metrics
-from vllm_mamba_fix.decision import Action
+from vllm_mamba_fix.observe import counters, metrics
+from vllm_mamba_fix.decide.decision import Action
 
 def through_counters(n):
     # The real counting path: counters.record() -> metrics.count().
@@ -342,8 +342,8 @@ class Blocker(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Blocker())
 logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s %(message)s")
-from vllm_mamba_fix import counters, metrics
-from vllm_mamba_fix.decision import Action
+from vllm_mamba_fix.observe import counters, metrics
+from vllm_mamba_fix.decide.decision import Action
 metrics.attach()
 metrics.prepare()
 for _ in range(3):
@@ -437,7 +437,7 @@ def _private(tmp: Path, name: str, writers: tuple[int, ...] = (), other: str = "
 
 SWEEP_PARENT = """
 import json, os, sys
-from vllm_mamba_fix import metrics
+from vllm_mamba_fix.observe import metrics
 metrics.attach()
 metrics.attach()  # once per process
 print("RESULT " + json.dumps({"pid": os.getpid(), "private": os.environ.get(metrics.ENV_DIR)}))
@@ -518,7 +518,7 @@ def test_attach_sweeps_only_the_directories_of_gone_servers(tmp_path: Path) -> N
 
 def test_the_sweep_never_raises(tmp_path: Path) -> None:
     """A temporary directory that is missing, or holds an unreadable match: nothing removed."""
-    from vllm_mamba_fix import metrics_sweep
+    from vllm_mamba_fix.observe import metrics_sweep
 
     assert metrics_sweep.sweep(directory=str(tmp_path / "missing")) == []
     broken = tmp_path / f"vllm-mamba-fix-metrics-{_dead_pid()}-0123456789ab"
@@ -530,7 +530,7 @@ def test_the_sweep_never_raises(tmp_path: Path) -> None:
 
 KILLED_SERVER = """
 import multiprocessing as mp, os, sys, time
-from vllm_mamba_fix import metrics
+from vllm_mamba_fix.observe import metrics
 
 def engine_core():
     metrics.prepare()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from vllm_mamba_fix import counters, metrics, rules
+from vllm_mamba_fix.observe import counters, metrics
+from vllm_mamba_fix.rules import table as rules
 
 
 def test_every_counter_belongs_to_a_rule_and_every_rule_key_is_counted() -> None:

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from tests.conftest import InstallScopeRule
-from vllm_mamba_fix.config import Scope
+from vllm_mamba_fix.decide.scope import ScopePolicy, builtin_in_scope, load_third_party_hook
+from vllm_mamba_fix.facts.config import Scope
 from vllm_mamba_fix.hookspecs import ENTRY_POINT_GROUP
-from vllm_mamba_fix.scope import ScopePolicy, builtin_in_scope, load_third_party_hook
 
 TEXT = SimpleNamespace(request_id="text", has_encoder_inputs=False, priority=0)
 IMAGE = SimpleNamespace(request_id="image", has_encoder_inputs=True, priority=0)

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_mamba_fix import stall_end, stalls
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.stalls import (
+from vllm_mamba_fix.decide import stalls
+from vllm_mamba_fix.decide.stalls import (
     REPEATED,
     StallCause,
     StallReport,
@@ -24,7 +24,8 @@ from vllm_mamba_fix.stalls import (
     split_moved,
     split_zero,
 )
-from vllm_mamba_fix.targets import MARKER
+from vllm_mamba_fix.facts.targets import MARKER
+from vllm_mamba_fix.rules import end_order, stall_end
 
 
 def test_the_proof_on_the_stall_shapes() -> None:
@@ -149,16 +150,16 @@ def test_a_failing_end_gives_one_warning_and_vllms_result() -> None:
     wrapper, host, out = _wrapped(), _Host(), _Output()
     host.requests = None  # type: ignore[assignment]  # reading it fails inside the end
     streak = Streak(3, 5, 0.0)
-    order = stall_end.EndOrder("r", 3, 3, stalls.ZeroStreaks(), streak, "line", "message")
+    order = end_order.EndOrder("r", 3, 3, stalls.ZeroStreaks(), streak, "line", "message")
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     logger.addHandler(handler)
     try:
         for _ in range(2):
-            host.__dict__[stall_end.ORDERS_ATTR] = {"r": order}
+            host.__dict__[end_order.ORDERS_ATTR] = {"r": order}
             assert wrapper(host, out, "runner") == {"outputs": (out, "runner")}
-            assert not host.__dict__[stall_end.ORDERS_ATTR]  # dropped, not retried forever
+            assert not host.__dict__[end_order.ORDERS_ATTR]  # dropped, not retried forever
     finally:
         logger.removeHandler(handler)
     messages = [r.getMessage() for r in records]
@@ -169,9 +170,9 @@ def test_a_failing_end_gives_one_warning_and_vllms_result() -> None:
 
 
 def test_support_names_what_is_missing() -> None:
-    assert "has no update_from_output" in (stall_end.support(type("Bare", (), {})) or "")
+    assert "has no update_from_output" in (end_order.support(type("Bare", (), {})) or "")
     only_update = type("OnlyUpdate", (), {"update_from_output": lambda self: None})
-    assert "has no finish_requests" in (stall_end.support(only_update) or "")
+    assert "has no finish_requests" in (end_order.support(only_update) or "")
 
 
 def test_an_end_that_fails_for_one_order_leaves_every_order_of_the_step_orderable() -> None:
@@ -181,12 +182,12 @@ def test_an_end_that_fails_for_one_order_leaves_every_order_of_the_step_orderabl
     wrapper, host, out = _wrapped(), _Host(), _Output()
     host.requests = None  # type: ignore[assignment]  # every end fails to read it
     orders = {
-        rid: stall_end.EndOrder(rid, 3, 3, stalls.ZeroStreaks(), Streak(3, 5, 0.0), "l", "m")
+        rid: end_order.EndOrder(rid, 3, 3, stalls.ZeroStreaks(), Streak(3, 5, 0.0), "l", "m")
         for rid in ("a", "b", "c")
     }
     for order in orders.values():
         order.streak.ordered = True
-    host.__dict__[stall_end.ORDERS_ATTR] = dict(orders)
+    host.__dict__[end_order.ORDERS_ATTR] = dict(orders)
     assert wrapper(host, out, "runner") == {"outputs": (out, "runner")}
-    assert not host.__dict__[stall_end.ORDERS_ATTR]
+    assert not host.__dict__[end_order.ORDERS_ATTR]
     assert [o.streak.ordered for o in orders.values()] == [False, False, False]

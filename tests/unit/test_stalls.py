@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_mamba_fix.decision import speculative_stall_release
-from vllm_mamba_fix.stalls import (
+from vllm_mamba_fix.decide.decision import speculative_stall_release
+from vllm_mamba_fix.decide.stalls import (
     REPEATED,
     WATCHDOG_MIN_STEPS,
     StallCause,

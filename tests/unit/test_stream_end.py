@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
-from vllm_mamba_fix import stream_end
-from vllm_mamba_fix.stall_end import CLIENT_MESSAGE_PREFIX
-from vllm_mamba_fix.stream_end import TARGETS, Shape, Target, Watch, read_shape
-from vllm_mamba_fix.targets import MARKER
+from vllm_mamba_fix.facts.targets import MARKER
+from vllm_mamba_fix.install import stream_end
+from vllm_mamba_fix.install.stream_end import TARGETS, Shape, Target, Watch, read_shape
+from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 MESSAGE = f"{CLIENT_MESSAGE_PREFIX}: it could not get past prompt token 256 of 600 (...)"
@@ -353,7 +353,7 @@ def test_the_wrapper_passes_odd_arguments_on() -> None:
 def test_the_hook_wraps_a_module_imported_later() -> None:
     # A fresh interpreter: attach before vLLM's serving modules exist, as register() does.
     code = (
-        "import sys; from vllm_mamba_fix import stream_end; stream_end.attach();"
+        "import sys; from vllm_mamba_fix.install import stream_end; stream_end.attach();"
         "assert 'vllm.entrypoints.openai.chat_completion.serving' not in sys.modules;"
         "import vllm.entrypoints.openai.chat_completion.serving;"
         "import vllm.entrypoints.openai.completion.serving;"
@@ -391,7 +391,7 @@ def test_every_family_on_its_own_generators(release: str) -> None:
 
 def test_the_watchdog_writes_the_prefix_the_report_reads() -> None:
     # The end's message (stall_watch) must begin with the prefix the stream report matches.
-    from vllm_mamba_fix import stall_watch
+    from vllm_mamba_fix.rules import stall_watch
 
     source = Path(stall_watch.__file__).read_text()
     assert 'f"{CLIENT_MESSAGE_PREFIX}:' in source or f'f"{CLIENT_MESSAGE_PREFIX}:' in source

@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_mamba_fix.decision import decide, tokens_to_next_boundary
+from vllm_mamba_fix.decide.decision import decide, tokens_to_next_boundary
 
 
 def stock_split(family: str, start: int, num_new_tokens: int, configured: int, prompt: int) -> int:

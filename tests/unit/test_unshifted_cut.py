@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_mamba_fix.decision import speculative_stall_release, unshifted_cut_needed
+from vllm_mamba_fix.decide.decision import speculative_stall_release, unshifted_cut_needed
 
 Layout = dict[int, tuple[int, int]]
 

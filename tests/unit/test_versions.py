@@ -7,12 +7,10 @@ import logging
 import pytest
 
 from tools.release_facts import FACTS, CutShift, facts_for
-from vllm_mamba_fix.config import Mode, Settings, load_settings
-from vllm_mamba_fix.evidence import UNREADABLE, Evidence
-from vllm_mamba_fix.plugin import PREFLIGHT_LOG_LEVEL
-from vllm_mamba_fix.policy import Preflight, Rule, preflight
-from vllm_mamba_fix.rules import plan
-from vllm_mamba_fix.versions import (
+from vllm_mamba_fix.decide.policy import Preflight, Rule, preflight
+from vllm_mamba_fix.facts.config import Mode, Settings, load_settings
+from vllm_mamba_fix.facts.evidence import UNREADABLE, Evidence
+from vllm_mamba_fix.facts.versions import (
     FAMILIES,
     UNKNOWN_FAMILY,
     PrefillGate,
@@ -20,6 +18,8 @@ from vllm_mamba_fix.versions import (
     family_for,
     release_of,
 )
+from vllm_mamba_fix.install.plugin import PREFLIGHT_LOG_LEVEL
+from vllm_mamba_fix.rules.table import plan
 
 
 @pytest.mark.parametrize(

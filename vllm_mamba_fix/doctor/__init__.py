@@ -27,6 +27,9 @@ Exit codes:
 # results (verdict), the plans taken from the records (plans), rendering (render) and
 # the command line (cli). It reads the plugin's typed install record
 # (plugin.check_class), never its log text, and the environment only through config.
+# The top layer: it may import every layer below (install, rules, observe, decide, facts);
+# only core.py imports install/plugin.py, and hands it to the checks that drive it. This
+# docstring is the command's --help text; what the package holds is this comment.
 
 from __future__ import annotations
 
@@ -36,8 +39,8 @@ from vllm_mamba_fix.doctor.checks.speculative import (
     classify_speculative,
     release_speculative_methods,
 )
-from vllm_mamba_fix.doctor.cli import build_parser, main
-from vllm_mamba_fix.doctor.core import run
+from vllm_mamba_fix.doctor.cli import build_parser
+from vllm_mamba_fix.doctor.core import main, run
 from vllm_mamba_fix.doctor.report import (
     EXIT_CANNOT_TELL,
     EXIT_INVALID_INPUT,

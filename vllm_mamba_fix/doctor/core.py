@@ -1,9 +1,13 @@
-"""``run()``: the checks in order, the verdict, and the report they fill in.
+"""``main()``, the command, and ``run()``: the checks in order, the verdict, and the report
+they fill in.
 
 Each step below fills in part of the report. Doctor renders the records the dry run
 made and the plans they hold (:mod:`vllm_mamba_fix.doctor.plans`); it plans again
 only for the views a record cannot hold (what the version alone says, and what the
 release needs where a setting forced or switched off a rule).
+
+The dry run and the entry-point check are handed the plugin they check
+(:mod:`vllm_mamba_fix.install.plugin`): this module, the command's, is the one that imports it.
 """
 
 from __future__ import annotations
@@ -15,10 +19,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import vllm_mamba_fix
-from vllm_mamba_fix import record, rules
 from vllm_mamba_fix._version import __version__
-from vllm_mamba_fix.config import ENV_MODE, Mode, Settings, load_settings
+from vllm_mamba_fix.decide.policy import PreflightResult, Rule, preflight
 from vllm_mamba_fix.doctor import problems, verdict
 from vllm_mamba_fix.doctor.checks.entry_point import check_entry_point
 from vllm_mamba_fix.doctor.checks.metrics import check_metrics
@@ -44,8 +46,9 @@ from vllm_mamba_fix.doctor.checks.speculative import (
     check_speculative,
 )
 from vllm_mamba_fix.doctor.checks.stall_end import check_stall_end
-from vllm_mamba_fix.doctor.checks.vllm_import import import_vllm
+from vllm_mamba_fix.doctor.checks.vllm_import import import_step
 from vllm_mamba_fix.doctor.checks.vllm_plugins import check_platform_plugins, check_vllm_plugins
+from vllm_mamba_fix.doctor.cli import build_parser
 from vllm_mamba_fix.doctor.plans import (
     BlockFact,
     Views,
@@ -54,10 +57,22 @@ from vllm_mamba_fix.doctor.plans import (
     no_record_evidence,
     views,
 )
-from vllm_mamba_fix.doctor.report import STATUS, Report
-from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.policy import PreflightResult, Rule, preflight
-from vllm_mamba_fix.versions import Family, Verdict, family_for
+from vllm_mamba_fix.doctor.render import render_json, render_text
+from vllm_mamba_fix.doctor.report import (
+    EXIT_CANNOT_TELL,
+    EXIT_INVALID_INPUT,
+    STATUS,
+    Report,
+    one_line,
+)
+from vllm_mamba_fix.facts.config import ENV_MODE, Mode, Settings, load_settings
+from vllm_mamba_fix.facts.evidence import Evidence
+from vllm_mamba_fix.facts.versions import Family, Verdict
+from vllm_mamba_fix.install import plugin
+from vllm_mamba_fix.observe import record
+from vllm_mamba_fix.rules import table as rules
+
+_TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
 
 
 @dataclasses.dataclass
@@ -96,12 +111,6 @@ class _Needs:
     foreseen: dict[Rule, str] = dataclasses.field(default_factory=dict)
 
 
-def _family_json(family: Family | None) -> dict[str, Any] | None:
-    if family is None:
-        return None
-    return {"name": family.name, "verdict": family.verdict.value, "summary": family.summary}
-
-
 def _finish(
     report: Report, status: str, version: str | None, reason: str, bad_input: list[str]
 ) -> Report:
@@ -114,27 +123,9 @@ def _finish(
     return report
 
 
-def _describe_tool(report: Report) -> None:
-    report.data["tool"] = {
-        "name": "vllm-mamba-fix",
-        "version": __version__,
-        "package_path": os.path.dirname(os.path.abspath(vllm_mamba_fix.__file__)),
-        "python": sys.executable,
-    }
-
-
-def _import_step(report: Report) -> tuple[str | None, Family | None]:
-    started = time.perf_counter()
-    version = import_vllm(report)
-    report.data["timings_seconds"] = {"import_vllm": round(time.perf_counter() - started, 3)}
-    family = family_for(version) if version is not None else None
-    report.data["family"] = _family_json(family)
-    return version, family
-
-
 def _delivery_checks(report: Report, settings: Settings) -> verdict.Delivery:
     """Entry point, VLLM_PLUGINS and the plugin's settings: will vLLM load and run it?"""
-    ep_ok = check_entry_point(report)
+    ep_ok = check_entry_point(report, plugin.register)
     allowed = check_vllm_plugins(report)
     check_settings(report, settings)
     return verdict.Delivery(
@@ -156,7 +147,7 @@ def _dry_run_step(state: _Run) -> None:
         mode = Mode.AUTO if state.family.verdict is not Verdict.UNKNOWN else Mode.FORCE
         forced = dataclasses.replace(state.settings, mode=mode, problems=())
     started = time.perf_counter()
-    state.dry = dry_run(state.report, forced, state.targets)
+    state.dry = dry_run(state.report, forced, state.targets, plugin)
     state.report.data["timings_seconds"]["dry_run"] = round(time.perf_counter() - started, 3)
     state.ran_with = forced or state.settings
 
@@ -331,8 +322,8 @@ def run(
 ) -> Report:
     report = Report()
     settings = load_settings()
-    _describe_tool(report)
-    version, family = _import_step(report)
+    report.describe_tool()
+    version, family = import_step(report)
     report.data["schedulers"] = []
     if family is None or version is None:
         return _without_vllm(report, settings, version)
@@ -377,4 +368,31 @@ def run(
     return _finish(report, status, version, chosen.reason, state.bad_input)
 
 
-__all__ = ["record", "run"]
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if not args_list or (args_list[0].startswith("-") and args_list[0] not in _TOP_LEVEL_FLAGS):
+        args_list.insert(0, "doctor")  # doctor is the default command
+    try:
+        args = build_parser().parse_args(args_list)
+    except SystemExit as exc:  # argparse: usage error (2) or --help (0)
+        return exc.code if isinstance(exc.code, int) else EXIT_INVALID_INPUT
+    started = time.perf_counter()
+    try:
+        report = run(args.scheduler_cls, args.speculative_config)
+    except KeyboardInterrupt:
+        print("vllm-mamba-fix doctor: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        print(f"vllm-mamba-fix doctor: internal error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_CANNOT_TELL
+    elapsed = time.perf_counter() - started
+    report.data["elapsed_seconds"] = round(elapsed, 3)
+    text = render_json(report) if args.json else render_text(report, elapsed)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # e.g. piped into `head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return int(report.data["exit_code"])
+
+
+__all__ = ["main", "record", "run"]

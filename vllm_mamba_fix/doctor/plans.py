@@ -1,7 +1,7 @@
 """The plans doctor shows, taken from the records the dry run made, and the block facts.
 
 The base class's record holds the plan the dry run ran. Two more views answer other
-questions, from the same table (:func:`vllm_mamba_fix.rules.plan`):
+questions, from the same table (:func:`vllm_mamba_fix.rules.table.plan`):
 
 - what the release data alone says (no code read), and
 - what the release needs: the code first, the version second, before the settings
@@ -17,13 +17,13 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_mamba_fix.blocks import BlockUnit
-from vllm_mamba_fix.config import Mode, Settings
-from vllm_mamba_fix.evidence import UNREADABLE, Evidence
-from vllm_mamba_fix.policy import Plan, Rule
-from vllm_mamba_fix.record import ClassRecord
-from vllm_mamba_fix.rules import plan
-from vllm_mamba_fix.versions import Family
+from vllm_mamba_fix.decide.policy import Plan, Rule
+from vllm_mamba_fix.facts.blocks import BlockUnit
+from vllm_mamba_fix.facts.config import Mode, Settings
+from vllm_mamba_fix.facts.evidence import UNREADABLE, Evidence
+from vllm_mamba_fix.facts.versions import Family
+from vllm_mamba_fix.observe.record import ClassRecord
+from vllm_mamba_fix.rules.table import plan
 
 
 def unforced(settings: Settings) -> Settings:

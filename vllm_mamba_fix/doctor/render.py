@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from vllm_mamba_fix.decide.policy import Rule
 from vllm_mamba_fix.doctor.report import STATUS, Report
-from vllm_mamba_fix.policy import Rule
 
 _TAGS = {"ok": " ok ", "fail": "FAIL", "warn": "warn", "info": "    ", "skip": " -- "}
 _LABEL = max(12, *(len(rule.value) for rule in Rule))  # rule names are labels

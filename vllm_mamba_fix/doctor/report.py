@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from vllm_mamba_fix import _version
 from vllm_mamba_fix._log import logger as plugin_logger
 
 EXIT_OK = 0
@@ -25,6 +26,11 @@ STATUS: dict[str, tuple[int, str]] = {
     "invalid-input": (EXIT_INVALID_INPUT, "INVALID INPUT"),
     "unknown": (EXIT_CANNOT_TELL, "CANNOT TELL"),
 }
+
+
+def package_path() -> str:
+    """The folder this interpreter imports the plugin from (``_version.py`` is at its top)."""
+    return os.path.dirname(os.path.abspath(_version.__file__))
 
 
 def one_line(exc: BaseException) -> str:
@@ -54,6 +60,14 @@ class Report:
 
     def add(self, status: str, label: str, text: str) -> None:
         self.lines.append(Line(status, label, text))
+
+    def describe_tool(self) -> None:
+        self.data["tool"] = {
+            "name": "vllm-mamba-fix",
+            "version": _version.__version__,
+            "package_path": package_path(),
+            "python": sys.executable,
+        }
 
 
 @contextlib.contextmanager

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from vllm_mamba_fix.config import ENV_MODE, ENV_VLLM_PLUGINS, PLUGIN_NAME, Mode
+from vllm_mamba_fix.decide.policy import Plan, Rule
 from vllm_mamba_fix.doctor.report import names_text
-from vllm_mamba_fix.policy import Plan, Rule
-from vllm_mamba_fix.rules import FIX_RULES
-from vllm_mamba_fix.versions import Family, Verdict
+from vllm_mamba_fix.facts.config import ENV_MODE, ENV_VLLM_PLUGINS, PLUGIN_NAME, Mode
+from vllm_mamba_fix.facts.versions import Family, Verdict
+from vllm_mamba_fix.rules.table import FIX_RULES
 
 # FIX_RULES (the rule table's ``fixes``) end a deadlock or a wrong token. The watchdog
 # and stall-end only name or end stalls, so one that would not install is a warning,
@@ -23,6 +23,11 @@ from vllm_mamba_fix.versions import Family, Verdict
 PER_SCHEDULER: frozenset[Rule] = frozenset({Rule.BLOCK_UNIT})
 PER_SCHEDULER_TEXT = (
     "engages per scheduler where the Mamba KV cache's block differs from cache_config.block_size"
+)
+# What to do where a scheduler's two block sizes differ and the block-unit rule does not run.
+PIN_HINT = (
+    "vLLM's own chunks can end inside a cached block and cache a stale Mamba state "
+    "(vLLM #54076): pin --block-size to the cache's block"
 )
 # What a per-scheduler rule that installs does at engine start, where no record shows yet.
 ENGAGES_AT_START = (

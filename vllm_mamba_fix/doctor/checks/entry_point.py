@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
-import vllm_mamba_fix
-from vllm_mamba_fix import plugin
 from vllm_mamba_fix._version import __version__
-from vllm_mamba_fix.config import PLUGIN_NAME
-from vllm_mamba_fix.doctor.report import Report, one_line
+from vllm_mamba_fix.doctor.report import Report, one_line, package_path
+from vllm_mamba_fix.facts.config import PLUGIN_NAME
 
 PLUGIN_GROUP = "vllm.general_plugins"
 ENTRY_POINT_VALUE = "vllm_mamba_fix:register"
 
 
-def check_entry_point(report: Report) -> bool:
+def check_entry_point(report: Report, register: Callable[..., Any]) -> bool:
+    """Whether the entry point resolves to ``register``, the plugin's (core hands it over)."""
     from importlib.metadata import entry_points
 
     info: dict[str, Any] = {"group": PLUGIN_GROUP, "name": PLUGIN_NAME, "found": False}
@@ -50,7 +49,7 @@ def check_entry_point(report: Report) -> bool:
         info["error"] = f"{ep.value} does not load ({one_line(exc)})"
         report.add("fail", label, info["error"])
         return False
-    if func is not plugin.register:
+    if func is not register:
         info["error"] = f"{PLUGIN_NAME!r} resolves to {ep.value}, not {ENTRY_POINT_VALUE}"
         report.add("fail", label, info["error"])
         return False
@@ -59,6 +58,6 @@ def check_entry_point(report: Report) -> bool:
     if dist and dist.version != __version__:
         report.warnings.append(
             f"installed metadata says {dist.name} {dist.version}, but this interpreter imports "
-            f"vllm_mamba_fix {__version__} from {os.path.dirname(vllm_mamba_fix.__file__)}"
+            f"vllm_mamba_fix {__version__} from {package_path()}"
         )
     return True

@@ -6,7 +6,7 @@ import importlib
 
 from vllm_mamba_fix.doctor.report import Report, one_line
 
-MODULE = "vllm_mamba_fix.metrics"  # read at run time: a build may lack it
+MODULE = "vllm_mamba_fix.observe.metrics"  # read at run time: a build may lack it
 LABEL = "metrics"
 
 

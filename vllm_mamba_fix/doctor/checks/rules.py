@@ -5,20 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_mamba_fix import rules
-from vllm_mamba_fix.config import ENV_END_STALLS_AFTER, ENV_STALL_SECONDS, Mode, Settings
+from vllm_mamba_fix.decide.policy import Rule, RuleVerdict
 from vllm_mamba_fix.doctor.plans import BlockFact, Views
 from vllm_mamba_fix.doctor.report import Report
-from vllm_mamba_fix.doctor.verdict import ENGAGES_AT_START, PER_SCHEDULER_TEXT
-from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.policy import Rule, RuleVerdict
-from vllm_mamba_fix.versions import Family
+from vllm_mamba_fix.doctor.verdict import ENGAGES_AT_START, PER_SCHEDULER_TEXT, PIN_HINT
+from vllm_mamba_fix.facts.config import ENV_END_STALLS_AFTER, ENV_STALL_SECONDS, Mode, Settings
+from vllm_mamba_fix.facts.evidence import Evidence
+from vllm_mamba_fix.facts.versions import Family
+from vllm_mamba_fix.rules import table as rules
 
 NOT_SEEN = "a dry run builds no scheduler, so it cannot tell yet"
-PIN_HINT = (
-    "vLLM's own chunks can end inside a cached block and cache a stale Mamba state "
-    "(vLLM #54076): pin --block-size to the cache's block"
-)
 
 
 def evidence_json(evidence: Evidence, read_from: str | None) -> dict[str, Any]:

@@ -2,10 +2,13 @@
 
 Each class is settled by ``plugin.check_class(cls)``, the same check the engine
 runs when it builds a scheduler (without a built scheduler, so no block size);
-doctor reads the :class:`~vllm_mamba_fix.record.ClassRecord` it returns (the
+doctor reads the :class:`~vllm_mamba_fix.observe.record.ClassRecord` it returns (the
 plugin records the base class even where it installs nothing), and verifies on
 the live classes that every method the record says carries a rule resolves to the
 plugin's wrapper. The plugin's log lines are captured to show them, never to decide.
+
+The plugin is handed over by :mod:`vllm_mamba_fix.doctor.core`, the one doctor module that
+imports it; :class:`Plugin` names what the dry run calls of it.
 """
 
 from __future__ import annotations
@@ -13,10 +16,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from typing import Any
+from typing import Any, Protocol
 
-from vllm_mamba_fix import patch, plugin, record
-from vllm_mamba_fix.config import Settings
+from vllm_mamba_fix.decide.policy import Rule
 from vllm_mamba_fix.doctor.checks.vllm_import import resolve_class
 from vllm_mamba_fix.doctor.report import (
     Report,
@@ -26,10 +28,13 @@ from vllm_mamba_fix.doctor.report import (
     stdout_to_stderr,
 )
 from vllm_mamba_fix.doctor.verdict import PER_SCHEDULER
-from vllm_mamba_fix.evidence import defining_class
-from vllm_mamba_fix.policy import Rule
-from vllm_mamba_fix.record import ClassRecord, MethodState
-from vllm_mamba_fix.rules import (
+from vllm_mamba_fix.facts.config import Settings
+from vllm_mamba_fix.facts.evidence import defining_class
+from vllm_mamba_fix.facts.targets import SCHEDULER_CLASS, SCHEDULER_MODULE
+from vllm_mamba_fix.install import patch
+from vllm_mamba_fix.observe import record
+from vllm_mamba_fix.observe.record import ClassRecord, MethodState
+from vllm_mamba_fix.rules.table import (
     ALL_WRAPPED,
     FIX_RULES,
     NEEDS,
@@ -38,7 +43,15 @@ from vllm_mamba_fix.rules import (
     SPLIT_RULES,
     rules_through,
 )
-from vllm_mamba_fix.targets import SCHEDULER_CLASS, SCHEDULER_MODULE
+
+
+class Plugin(Protocol):
+    """What the dry run calls of :mod:`vllm_mamba_fix.install.plugin`."""
+
+    def register(self, settings: Settings | None = None) -> None: ...
+    def unregister(self) -> bool: ...
+    def check_class(self, cls: type) -> ClassRecord | None: ...
+
 
 BASE_SCHEDULER = f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS}"
 ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
@@ -112,7 +125,7 @@ def _load(target: Target) -> type | str:
         return str(exc)
 
 
-def _check_all(targets: list[Target]) -> list[ClassCheck]:
+def _check_all(targets: list[Target], plugin: Plugin) -> list[ClassCheck]:
     """Import every class first (an import may replace a base method, as another platform
     plugin does), then settle each as the engine would, then verify what each resolves."""
     loaded = [(target, _load(target)) for target in targets]
@@ -157,7 +170,9 @@ def _left_stock(base_record: ClassRecord, wrapped: tuple[str, ...]) -> str | Non
     return "; ".join(m.note or m.describe() for m in left) or None
 
 
-def dry_run(report: Report, settings: Settings | None, targets: list[Target]) -> DryRun:
+def dry_run(
+    report: Report, settings: Settings | None, targets: list[Target], plugin: Plugin
+) -> DryRun:
     """``settings`` None: the entry point's own call, reading the real environment.
 
     Otherwise the same code path runs with the settings given (``auto`` when
@@ -174,7 +189,7 @@ def dry_run(report: Report, settings: Settings | None, targets: list[Target]) ->
         already = base_now is not None and any(patch.is_wrapped(base_now, n) for n in ALL_WRAPPED)
         plugin.register(settings)
         # Import the classes after register(), as vLLM does: exercises the import hook.
-        checks = _check_all(targets)
+        checks = _check_all(targets, plugin)
         base = _base_or_none()
         base_record = next(
             (c.record for c in checks if c.target.qualname == BASE_SCHEDULER and c.record), None

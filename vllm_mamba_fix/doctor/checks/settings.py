@@ -1,6 +1,6 @@
 """The plugin's own settings (``VLLM_MAMBA_FIX*``), as the plugin will read them.
 
-The raw values come through :func:`vllm_mamba_fix.config.raw_values`, the one reader
+The raw values come through :func:`vllm_mamba_fix.facts.config.raw_values`, the one reader
 of the environment; the per-rule switches are the rule table's.
 """
 
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_mamba_fix import config, rules
-from vllm_mamba_fix.config import Settings
 from vllm_mamba_fix.doctor.report import Report
+from vllm_mamba_fix.facts import config
+from vllm_mamba_fix.facts.config import Settings
+from vllm_mamba_fix.rules import table as rules
 
 
 def watchdog_text(seconds: float | None) -> str:

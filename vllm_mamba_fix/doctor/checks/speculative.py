@@ -15,9 +15,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from vllm_mamba_fix.decide.policy import Plan, Rule
 from vllm_mamba_fix.doctor.report import stdout_to_stderr
-from vllm_mamba_fix.policy import Plan, Rule
-from vllm_mamba_fix.versions import Family
+from vllm_mamba_fix.facts.versions import Family
 
 # vLLM 0.27.1's lists, used when the installed release's own cannot be read.
 _EAGLE_METHODS_0_27 = ("eagle", "eagle3", "mtp", "dflash", "dspark")

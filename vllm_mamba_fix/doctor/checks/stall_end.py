@@ -1,4 +1,4 @@
-"""Whether a stall no rule can end can be ended on this release (``stall_end.support(cls)``).
+"""Whether a stall no rule can end can be ended on this release (``end_order.support(cls)``).
 
 Per scheduler class the dry run loaded: where vLLM has no scheduler-side finish that
 reaches the client, the plugin keeps naming the stall instead.
@@ -12,7 +12,7 @@ from typing import Any
 from vllm_mamba_fix.doctor.checks.vllm_import import resolve_class
 from vllm_mamba_fix.doctor.report import Report, names_text, one_line, stdout_to_stderr
 
-MODULE = "vllm_mamba_fix.stall_end"  # read at run time: a build may lack it
+MODULE = "vllm_mamba_fix.rules.end_order"  # read at run time: a build may lack it
 LABEL = "ending stalls"
 
 

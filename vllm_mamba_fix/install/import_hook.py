@@ -21,7 +21,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_mamba_fix.targets import SCHEDULER_MODULE
+from vllm_mamba_fix.facts.targets import SCHEDULER_MODULE
 
 
 class _NotifyingLoader(importlib.abc.Loader):

@@ -1,6 +1,6 @@
 """The private metrics directories of serving processes that are gone, removed at start.
 
-:func:`vllm_mamba_fix.metrics.attach` names one private directory per serving process (an
+:func:`vllm_mamba_fix.observe.metrics.attach` names one private directory per serving process (an
 API server) in the temporary directory; its first engine core makes it, and the serving
 process removes it at exit. A SIGKILL or an unhandled SIGTERM skips that, so such a run
 left its directory behind. The next serving process to start removes those, and only

@@ -2,11 +2,12 @@
 
 One frozen :class:`RuleSpec` per rule says what it is (its name), where it runs (the
 Scheduler method whose wrapper carries it), how its need is decided (a function of
-:mod:`vllm_mamba_fix.policy`), its switch and its ``stats()`` keys. One
+:mod:`vllm_mamba_fix.decide.policy`), its switch and its ``stats()`` keys. One
 :class:`MethodSpec` per wrapped method says how its wrapper is built and which of its
-rules a built wrapper carries. ``patch``, ``plugin``, ``record``, doctor and the
-docs' configuration table read these tables; adding a rule touches its own module
-and this one (CONTRIBUTING.md, "Adding a rule").
+rules a built wrapper carries. ``patch``, ``plugin``, doctor and the docs'
+configuration table read these tables; adding a rule touches its own module in this
+folder (with its header), its verdict in ``decide/policy.py``, and this table
+(CONTRIBUTING.md, "Adding a rule").
 """
 
 from __future__ import annotations
@@ -15,17 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix.config import (
-    ENV_BLOCK_RULE,
-    ENV_END_STALLS_AFTER,
-    ENV_MODE,
-    ENV_SPLIT_RULE,
-    ENV_STALL_SECONDS,
-    Settings,
-)
-from vllm_mamba_fix.encoder_wrapper import EncoderOptions, make_encoder_wrapper
-from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.policy import (
+from vllm_mamba_fix.decide.policy import (
     Earlier,
     Facts,
     Plan,
@@ -37,9 +28,17 @@ from vllm_mamba_fix.policy import (
     stall_end_verdict,
     watchdog_verdict,
 )
-from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.stall_end import EndOptions, make_update_from_output_wrapper
-from vllm_mamba_fix.targets import (
+from vllm_mamba_fix.decide.scope import ScopePolicy
+from vllm_mamba_fix.facts.config import (
+    ENV_BLOCK_RULE,
+    ENV_END_STALLS_AFTER,
+    ENV_MODE,
+    ENV_SPLIT_RULE,
+    ENV_STALL_SECONDS,
+    Settings,
+)
+from vllm_mamba_fix.facts.evidence import Evidence
+from vllm_mamba_fix.facts.targets import (
     ENCODER_METHOD,
     FREE_REQUEST_METHOD,
     INIT_METHOD,
@@ -47,8 +46,10 @@ from vllm_mamba_fix.targets import (
     SPLIT_METHOD,
     UPDATE_METHOD,
 )
-from vllm_mamba_fix.versions import Family, PrefillGate
-from vllm_mamba_fix.wrappers import WrapOptions, make_wrapper
+from vllm_mamba_fix.facts.versions import Family, PrefillGate
+from vllm_mamba_fix.rules.encoder_wrapper import EncoderOptions, make_encoder_wrapper
+from vllm_mamba_fix.rules.stall_end import EndOptions, make_update_from_output_wrapper
+from vllm_mamba_fix.rules.wrappers import WrapOptions, make_wrapper
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """How each rule's need is decided: settings, release data and code evidence in, a verdict out.
 
 Pure functions; no vLLM import and no logging (callers pick the log level). The rule
-table (:mod:`vllm_mamba_fix.rules`) names which function decides which rule, and
-:func:`vllm_mamba_fix.rules.plan` runs them in its order.
+table (:mod:`vllm_mamba_fix.rules.table`) names which function decides which rule, and
+:func:`vllm_mamba_fix.rules.table.plan` runs them in its order.
 
 The rules, why they exist, and where they stop being needed:
 
@@ -30,7 +30,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vllm_mamba_fix.config import (
+from vllm_mamba_fix.decide.plan import Plan, Rule, RuleVerdict
+from vllm_mamba_fix.facts.config import (
     ENV_BLOCK_RULE,
     ENV_END_STALLS_AFTER,
     ENV_MODE,
@@ -39,45 +40,24 @@ from vllm_mamba_fix.config import (
     Mode,
     Settings,
 )
-from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.versions import Family, Verdict
+from vllm_mamba_fix.facts.evidence import Evidence
+from vllm_mamba_fix.facts.versions import Family, Verdict
 
-
-class Rule(enum.Enum):
-    """What the plugin may install; the rule table (rules.py) says how."""
-
-    SPLIT = "split"
-    BLOCK_UNIT = "block-unit"
-    SPECULATIVE_STALL = "speculative-stall"
-    STALL_WATCHDOG = "stall-watchdog"
-    STALL_END = "stall-end"
-
-
-@dataclass(frozen=True)
-class RuleVerdict:
-    rule: Rule
-    active: bool
-    basis: str  # what decided: "code", "version" or "setting"
-    reason: str
-
-
-@dataclass(frozen=True)
-class Plan:
-    verdicts: tuple[RuleVerdict, ...]
-
-    @property
-    def rules(self) -> frozenset[Rule]:
-        return frozenset(v.rule for v in self.verdicts if v.active)
-
-    def verdict(self, rule: Rule) -> RuleVerdict:
-        return next(v for v in self.verdicts if v.rule is rule)
-
-    def describe(self, rules: frozenset[Rule] | None = None) -> str:
-        """The verdicts on ``rules`` (default: the inactive ones), for a log line."""
-        chosen = [
-            v for v in self.verdicts if (v.rule in rules if rules is not None else not v.active)
-        ]
-        return "; ".join(f"{v.rule.value} [{v.basis}: {v.reason}]" for v in chosen)
+__all__ = [  # Rule, RuleVerdict and Plan are plan.py's, named here for the verdicts' callers
+    "Earlier",
+    "Facts",
+    "Plan",
+    "Preflight",
+    "PreflightResult",
+    "Rule",
+    "RuleVerdict",
+    "block_unit_verdict",
+    "preflight",
+    "speculative_verdict",
+    "split_verdict",
+    "stall_end_verdict",
+    "watchdog_verdict",
+]
 
 
 @dataclass(frozen=True)

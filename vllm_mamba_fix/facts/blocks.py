@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.targets import SPLIT_METHOD
+from vllm_mamba_fix.facts.targets import SPLIT_METHOD
 
 # Set on each built scheduler: the unit (0 when unreadable).
 BLOCK_ATTR = "_vllm_mamba_fix_block_size"

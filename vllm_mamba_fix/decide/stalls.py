@@ -7,7 +7,7 @@ No vLLM import: positions, sizes and times are plain numbers.
 
 The split's 0s reach the watchdog through :func:`split_zero` and
 :func:`split_moved`, which the split wrapper calls; ending a stall is
-:mod:`vllm_mamba_fix.stall_watch` and :mod:`vllm_mamba_fix.stall_end`'s.
+:mod:`vllm_mamba_fix.rules.stall_watch` and :mod:`vllm_mamba_fix.rules.stall_end`'s.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ SPLIT_ZEROS = ZeroStreaks()
 _split_streaks = SPLIT_ZEROS.by_request
 
 
-# The watchdog's ears for the split's 0s; :mod:`vllm_mamba_fix.stall_watch` plugs them in
+# The watchdog's ears for the split's 0s; :mod:`vllm_mamba_fix.rules.stall_watch` plugs them in
 # when it is imported. The data flows one way: the split wrapper tells, the watchdog listens,
 # the stall end acts, so this module imports neither.
 _on_split_zero: Callable[[Any, Any, int], None] | None = None

@@ -1,10 +1,20 @@
+# Rule:     stall-watchdog (Rule.STALL_WATCHDOG in rules/table.py; VLLM_MAMBA_FIX_STALL_SECONDS,
+#           30 s by default, off with "off")
+# Answers:  no vLLM issue of its own: a prefill that gets 0 tokens forever looks healthy from
+#           outside (GPU idle, /health 200, no log line). The watchdog names it, with its cause
+#           and remedy, whichever rule or setting left it there.
+# Runs on:  wherever a fix rule runs (split or speculative-stall): 0.15.0-0.32.x, and any
+#           scheduler that keeps the old order.
+# Decided:  by its setting, and on only where the split or the speculative-stall rule is
+#           (decide/policy.py: watchdog_verdict).
+# Removed:  with the last fix rule it watches.
 """The watchdog's two ears, the encoder-input check and the split, and the stall end's decision.
 
-A 0 of either counts in its own streak store (:mod:`vllm_mamba_fix.stalls`); a streak
+A 0 of either counts in its own streak store (:mod:`vllm_mamba_fix.decide.stalls`); a streak
 long enough is named (one WARNING); a named stall still there ``end_stalls_after``
 seconds and two 0s later is ordered to end if :func:`own_inputs_proof` shows that
 its own encoder inputs keep it there whatever other requests do.
-:mod:`vllm_mamba_fix.stall_end` executes the order. Reads the scheduler, imports no vLLM.
+:mod:`vllm_mamba_fix.rules.stall_end` executes the order. Reads the scheduler, imports no vLLM.
 """
 
 from __future__ import annotations
@@ -13,13 +23,9 @@ import contextlib
 import dataclasses
 from typing import Any
 
-from vllm_mamba_fix import counters, stalls
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.blocks import block_size_of
-from vllm_mamba_fix.config import ENV_END_STALLS_AFTER
-from vllm_mamba_fix.encoder_facts import OwnInputs, num_embeds, own_inputs, own_inputs_proof
-from vllm_mamba_fix.stall_end import ORDERS_ATTR, EndOrder, support_of
-from vllm_mamba_fix.stalls import (
+from vllm_mamba_fix.decide import stalls
+from vllm_mamba_fix.decide.stalls import (
     CAUSE_TEXT,
     StallCause,
     StallReport,
@@ -30,7 +36,12 @@ from vllm_mamba_fix.stalls import (
     stall_cause,
     watchdog_due,
 )
-from vllm_mamba_fix.targets import ENCODER_METHOD, MARKER
+from vllm_mamba_fix.facts.blocks import block_size_of
+from vllm_mamba_fix.facts.config import ENV_END_STALLS_AFTER
+from vllm_mamba_fix.facts.targets import ENCODER_METHOD, MARKER
+from vllm_mamba_fix.observe import counters
+from vllm_mamba_fix.rules.encoder_facts import OwnInputs, num_embeds, own_inputs, own_inputs_proof
+from vllm_mamba_fix.rules.end_order import ORDERS_ATTR, EndOrder, support_of
 
 RECHECK_SECONDS = 1.0
 

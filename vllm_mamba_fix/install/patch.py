@@ -6,10 +6,10 @@ Two moments:
   base ``Scheduler`` needs, plus ``__init__`` (so every built scheduler is
   checked) and ``_free_request`` (so per-request state ends with the request);
 - :func:`settle_method` when a scheduler is built: the per-construction check
-  (``vllm_mamba_fix.plugin``) settles the class the engine really built one
+  (``vllm_mamba_fix.install.plugin``) settles the class the engine really built one
   rule-carrying method at a time, so that what the class resolves carries the
   rules its own code needs; :func:`describe_method` says what it resolves to
-  (a :class:`~vllm_mamba_fix.record.MethodRecord`), and plugin records it.
+  (a :class:`~vllm_mamba_fix.observe.record.MethodRecord`), and plugin records it.
 
 Every change is logged in one list, so :func:`undo` restores exactly what was
 there (a method the class did not define is deleted again), and drops every scheduler's
@@ -25,12 +25,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix import rules
-from vllm_mamba_fix.blocks import drop_bypasses
-from vllm_mamba_fix.encoder_wrapper import EncoderOptions, make_encoder_wrapper
-from vllm_mamba_fix.evidence import defining_class
-from vllm_mamba_fix.record import MethodRecord, MethodState, class_name
-from vllm_mamba_fix.targets import (
+from vllm_mamba_fix.facts.blocks import drop_bypasses
+from vllm_mamba_fix.facts.evidence import defining_class
+from vllm_mamba_fix.facts.targets import (
     ENCODER_METHOD,
     FREE_REQUEST_METHOD,
     INIT_METHOD,
@@ -40,7 +37,10 @@ from vllm_mamba_fix.targets import (
     describe_function,
     shape_problem,
 )
-from vllm_mamba_fix.wrappers import (
+from vllm_mamba_fix.observe.record import MethodRecord, MethodState, class_name
+from vllm_mamba_fix.rules import table as rules
+from vllm_mamba_fix.rules.encoder_wrapper import EncoderOptions, make_encoder_wrapper
+from vllm_mamba_fix.rules.wrappers import (
     WrapOptions,
     make_free_request_wrapper,
     make_init_wrapper,

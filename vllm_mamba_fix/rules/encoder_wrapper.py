@@ -1,5 +1,18 @@
+# Rule:     speculative-stall (Rule.SPECULATIVE_STALL in rules/table.py; off with VLLM_MAMBA_FIX=0)
+# Answers:  the speculative stall under EAGLE-type speculation: from 0.24.0 vLLM frees an
+#           encoder input only past the drafter's look-ahead (vLLM #46315) and cuts before the
+#           next one by that shift, so a request whose images sit closer than that parks at 0
+#           tokens (reported on vLLM #47738 and vllm-ascend #17195).
+# Runs on:  0.24.0-0.32.x; before 0.24 the model runner asserts on an encoder-cache miss, so
+#           the watchdog names such a stall and the stall end ends it instead.
+# Decided:  by the scheduler class's code (facts/evidence.py: an encoder free deferred by a
+#           look-ahead), by the version where it cannot tell (decide/policy.py:
+#           speculative_verdict).
+# Removed:  0.33.0 frees without the delay and cuts without the shift: the rule goes with the
+#           last supported 0.32. This wrapper stays the watchdog's ear on the encoder-input
+#           check while the watchdog runs (rules/stall_watch.py).
 """The wrapper of ``Scheduler._try_schedule_encoder_inputs``: the speculative-stall rule,
-the stall watchdog and the stall end's decision (:mod:`vllm_mamba_fix.stall_end` ends the
+the stall watchdog and the stall end's decision (:mod:`vllm_mamba_fix.rules.stall_end` ends the
 request). Only a result of 0 tokens is looked at; every other call returns vLLM's result
 after two dict checks (the second arms the split wrapper for this request where text
 requests bypass it).
@@ -12,14 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix import counters, stall_watch, stalls
 from vllm_mamba_fix._log import failure_reporter
-from vllm_mamba_fix.blocks import ARM_ATTR, block_size_of
-from vllm_mamba_fix.decision import Action, speculative_stall_release, unshifted_cut_needed
-from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.stall_watch import log_moving_again
-from vllm_mamba_fix.stalls import REPEATED, ZeroStreaks, watchdog_due
-from vllm_mamba_fix.targets import MARKER, SPLIT_METHOD
+from vllm_mamba_fix.decide import stalls
+from vllm_mamba_fix.decide.decision import Action, speculative_stall_release, unshifted_cut_needed
+from vllm_mamba_fix.decide.scope import ScopePolicy
+from vllm_mamba_fix.decide.stalls import REPEATED, ZeroStreaks, watchdog_due
+from vllm_mamba_fix.facts.blocks import ARM_ATTR, block_size_of
+from vllm_mamba_fix.facts.targets import MARKER, SPLIT_METHOD
+from vllm_mamba_fix.observe import counters
+from vllm_mamba_fix.rules import stall_watch
+from vllm_mamba_fix.rules.stall_watch import log_moving_again
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix.blocks import BlockUnit
-from vllm_mamba_fix.evidence import Evidence
-from vllm_mamba_fix.policy import Plan, Rule
-from vllm_mamba_fix.targets import SPLIT_METHOD
+from vllm_mamba_fix.decide.plan import Plan, Rule
+from vllm_mamba_fix.facts.blocks import BlockUnit
+from vllm_mamba_fix.facts.evidence import Evidence
+from vllm_mamba_fix.facts.targets import SPLIT_METHOD
 
 
 class MethodState(enum.Enum):

@@ -21,7 +21,7 @@ import inspect
 import textwrap
 from dataclasses import dataclass
 
-from vllm_mamba_fix.targets import ENCODER_METHOD, FREE_METHOD, SPLIT_METHOD
+from vllm_mamba_fix.facts.targets import ENCODER_METHOD, FREE_METHOD, SPLIT_METHOD
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Release data: how each vLLM family behaves, read from every release's scheduler (0.15.0-0.33.0).
 
-Pure data and ``packaging``; no vLLM import. :mod:`vllm_mamba_fix.policy` turns
+Pure data and ``packaging``; no vLLM import. :mod:`vllm_mamba_fix.decide.policy` turns
 this, the settings and the code evidence into the rules to install. Only what the
 plugin reads is here; what stock does per family that only the tests expect (the cut
 shift, where the image deadlock is, ...) is in ``tools/release_facts.py``.

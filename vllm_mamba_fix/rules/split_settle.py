@@ -1,6 +1,6 @@
 """Settling the split wrapper once per scheduler, at its first split.
 
-:func:`settle` reads the block unit (:func:`vllm_mamba_fix.blocks.settle_split`), marks a
+:func:`settle` reads the block unit (:func:`vllm_mamba_fix.facts.blocks.settle_split`), marks a
 scheduler where no rule can act ``quiet``, and binds vLLM's own split to a scheduler as its
 instance attribute where calls need no look: every call where it is quiet, the text
 requests' where only multimodal requests can need a rule (the encoder wrapper unbinds it
@@ -13,11 +13,21 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from vllm_mamba_fix import record
-from vllm_mamba_fix.blocks import BLOCK_ATTR, SPLIT_ATTR, SplitState, settle_split, with_bypass
-from vllm_mamba_fix.config import ENV_BLOCK_RULE, Scope
-from vllm_mamba_fix.split_rule import WrapOptions, builtin_scope
-from vllm_mamba_fix.targets import ENCODER_METHOD, MARKER, SPLIT_METHOD
+from vllm_mamba_fix.decide.scope import builtin_scope
+from vllm_mamba_fix.facts.blocks import (
+    BLOCK_ATTR,
+    SPLIT_ATTR,
+    BlockUnit,
+    SplitState,
+    settle_split,
+    with_bypass,
+)
+from vllm_mamba_fix.facts.config import ENV_BLOCK_RULE, Scope
+from vllm_mamba_fix.facts.targets import ENCODER_METHOD, MARKER, SPLIT_METHOD
+
+# The split wrapper's options (rules/split_rule.py, WrapOptions): read by attribute, so this
+# module stays below the corrector in the import graph.
+SplitOptions = Any
 
 # Where vLLM's own schedule() lives: it calls the encoder check under
 # ``request.has_encoder_inputs``, right before that request's split, in every release.
@@ -25,8 +35,8 @@ VLLM_SCHEDULE_MODULES = frozenset({"vllm.v1.core.sched.scheduler"})
 
 
 def settle(
-    scheduler: Any, options: WrapOptions, original: Callable[..., int] | None = None
-) -> SplitState:
+    scheduler: Any, options: SplitOptions, original: Callable[..., int] | None = None
+) -> tuple[SplitState, BlockUnit]:
     """The first split of ``scheduler``: meet it if it was built before the patch, then settle.
 
     Given vLLM's ``original`` split, a scheduler whose calls need no look (quiet), or whose
@@ -46,14 +56,13 @@ def settle(
     acts = acts or (options.block_rule and options.realign and options.realign_others)
     if state.view is None and not (acts and state.size):
         state = dataclasses.replace(state, quiet=True)
-    record.note_block_unit(type(scheduler), unit)
     if original is not None and _wrapper_resolves(scheduler, SPLIT_METHOD, options):
         if state.quiet:
             state = with_bypass(scheduler, state, original, armed=False)
         elif _only_multimodal_requests_looked_at(scheduler, options, state):
             state = with_bypass(scheduler, state, original, armed=True)
     setattr(scheduler, SPLIT_ATTR, state)
-    return state
+    return state, unit
 
 
 def _wrapper_resolves(scheduler: Any, name: str, options: Any = None) -> bool:
@@ -63,7 +72,7 @@ def _wrapper_resolves(scheduler: Any, name: str, options: Any = None) -> bool:
 
 
 def _only_multimodal_requests_looked_at(
-    scheduler: Any, options: WrapOptions, state: SplitState
+    scheduler: Any, options: SplitOptions, state: SplitState
 ) -> bool:
     """Whether a text request's split can only ever be vLLM's answer here, and every
     multimodal request's split meets the wrapper: the split rule acts on multimodal
@@ -81,11 +90,3 @@ def _only_multimodal_requests_looked_at(
         and getattr(schedule, "__module__", None) in VLLM_SCHEDULE_MODULES
         and _wrapper_resolves(scheduler, ENCODER_METHOD)
     )
-
-
-def settle_if_differs(scheduler: Any) -> None:
-    """At construction, where the block sizes already differ: settle the split now."""
-    wrapper = getattr(type(scheduler), SPLIT_METHOD, None)
-    options = getattr(wrapper, MARKER, None)
-    if isinstance(options, WrapOptions):
-        settle(scheduler, options, getattr(wrapper, "__wrapped__", None))

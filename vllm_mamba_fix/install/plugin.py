@@ -6,8 +6,8 @@ left untouched and one log line says why.
 
 Two steps: when the scheduler module is imported, the base ``Scheduler`` gets
 the rules its own code needs; when the engine builds a scheduler, its class is
-checked, settled (:func:`vllm_mamba_fix.patch.settle_method`) and recorded
-(:mod:`vllm_mamba_fix.record`), and one active line per class says what runs.
+checked, settled (:func:`vllm_mamba_fix.install.patch.settle_method`) and recorded
+(:mod:`vllm_mamba_fix.observe.record`), and one active line per class says what runs.
 """
 
 from __future__ import annotations
@@ -20,26 +20,28 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_mamba_fix import (
-    counters,
-    import_hook,
-    metrics,
-    patch,
-    record,
-    rules,
-    stream_end,
-)
 from vllm_mamba_fix._log import logger
 from vllm_mamba_fix._version import __version__
-from vllm_mamba_fix.blocks import BlockUnit, set_block_unit, unit_of_scheduler
-from vllm_mamba_fix.config import Settings, load_settings
-from vllm_mamba_fix.evidence import Evidence, read_evidence
-from vllm_mamba_fix.policy import Facts, Plan, Preflight, Rule, preflight
-from vllm_mamba_fix.record import ClassRecord, MethodRecord, MethodState, class_name
-from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.split_settle import settle_if_differs
-from vllm_mamba_fix.targets import FREE_REQUEST_METHOD, INIT_METHOD, SCHEDULER_CLASS, SPLIT_METHOD
-from vllm_mamba_fix.versions import Family, family_for
+from vllm_mamba_fix.decide.policy import Facts, Plan, Preflight, Rule, preflight
+from vllm_mamba_fix.decide.scope import ScopePolicy
+from vllm_mamba_fix.facts.blocks import BlockUnit, set_block_unit, unit_of_scheduler
+from vllm_mamba_fix.facts.config import Settings, load_settings
+from vllm_mamba_fix.facts.evidence import Evidence, read_evidence
+from vllm_mamba_fix.facts.targets import (
+    FREE_REQUEST_METHOD,
+    INIT_METHOD,
+    SCHEDULER_CLASS,
+    SPLIT_METHOD,
+)
+from vllm_mamba_fix.facts.versions import Family, family_for
+from vllm_mamba_fix.install import import_hook, patch, stream_end
+from vllm_mamba_fix.observe import counters, metrics, record
+from vllm_mamba_fix.observe.record import ClassRecord, MethodRecord, MethodState, class_name
+from vllm_mamba_fix.rules import table as rules
+from vllm_mamba_fix.rules.wrappers import settle_if_differs
+
+# Every count reaches vLLM's /metrics too; counting imports none of its observers.
+counters.report_to(metrics)
 
 _lock = threading.RLock()
 _said: set[str] = set()  # lines logged once per process

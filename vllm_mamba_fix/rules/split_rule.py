@@ -1,7 +1,20 @@
+# Rule:     split (Rule.SPLIT in rules/table.py; off with VLLM_MAMBA_FIX_SPLIT_RULE=0)
+# Answers:  the split deadlock of hybrid Mamba models with prefix caching: through 0.27.1
+#           schedule() budgets encoder inputs before _mamba_block_aligned_split, which floors
+#           a chunk cut short before an image to 0 tokens on every step. Upstream fixed the
+#           order in vLLM #51603 ("Apply Mamba alignment before encoder caps", 0.28.0).
+# Runs on:  0.15.0-0.27.1; on 0.28+ only under a scheduler whose own schedule() keeps the old
+#           order (a platform's, or a build without #51603). Carried by the split method's
+#           wrapper (rules/wrappers.py).
+# Decided:  by the scheduler class's own code (facts/evidence.py: split after encoder
+#           budgeting), by the version where the code cannot tell (decide/policy.py:
+#           split_verdict); VLLM_MAMBA_FIX=force installs it on any release.
+# Removed:  once the oldest supported release has #51603 and no supported scheduler budgets
+#           encoder inputs before the split.
 """The split rule's corrector: what the split wrapper does with an answer a rule acts on.
 
-:func:`make_corrector` builds the rare path of :mod:`vllm_mamba_fix.wrappers`: it asks
-:func:`vllm_mamba_fix.decision.decide` with the request's numbers, the scope hook, and
+:func:`make_corrector` builds the rare path of :mod:`vllm_mamba_fix.rules.wrappers`: it asks
+:func:`vllm_mamba_fix.decide.decision.decide` with the request's numbers, the scope hook, and
 counts and logs a correction. No vLLM import; the scheduler and request are vLLM's.
 """
 
@@ -12,23 +25,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix import counters
-from vllm_mamba_fix.config import Scope
-from vllm_mamba_fix.decision import (
+from vllm_mamba_fix.decide.decision import (
     Action,
     decide,
     in_prefill_by_output_tokens,
     in_prefill_by_position,
     tokens_to_next_boundary,
 )
-from vllm_mamba_fix.encoder_facts import own_inputs_proof
-from vllm_mamba_fix.scope import ScopePolicy
-from vllm_mamba_fix.targets import (
+from vllm_mamba_fix.decide.scope import ScopePolicy
+from vllm_mamba_fix.facts.targets import (
     EXTRA_COMPUTED_PARAMETERS,
     KNOWN_SPLIT_TRAILING_PARAMETERS,
     SPLIT_LEADING_PARAMETERS,
 )
-from vllm_mamba_fix.versions import PrefillGate
+from vllm_mamba_fix.facts.versions import PrefillGate
+from vllm_mamba_fix.observe import counters
+from vllm_mamba_fix.rules.encoder_facts import own_inputs_proof
 
 
 @dataclass(frozen=True)
@@ -88,17 +100,6 @@ def has_known_parameters(method: Callable[..., int]) -> bool:
     return names in (known[:2], known) and all(
         p.kind is p.POSITIONAL_OR_KEYWORD and p.default == 0 for p in parameters
     )
-
-
-def builtin_scope(scope: Any) -> Scope | None:
-    """The scope ``scope.rules_out()`` answers by the built-in rule alone (no third-party
-    hook loaded), or None where it must be asked. Loads the hook first, as rules_out() does."""
-    if not isinstance(scope, ScopePolicy) or type(scope).rules_out is not ScopePolicy.rules_out:
-        return None  # another rules_out(): ask it
-    scope.load()
-    scoped = getattr(scope, "scope", None)
-    alone = getattr(scope, "_loaded", False) is True and getattr(scope, "_hook", 0) is None
-    return scoped if alone and isinstance(scoped, Scope) else None
 
 
 def _encoder_input_starts_at(request: Any, position: int) -> bool:

@@ -1,3 +1,13 @@
+# Rule:     stall-end (Rule.STALL_END in rules/table.py; VLLM_MAMBA_FIX_END_STALLS_AFTER, 60 s
+#           by default, off with 0 or "off")
+# Answers:  no vLLM issue of its own: a stall no rule can end (the request's own encoder inputs
+#           can never be scheduled together) holds its request, and the queue behind it,
+#           forever. It is ended with vLLM's own scheduler-side finish, so the client reads why.
+# Runs on:  where the watchdog runs and the class has update_from_output and finish_requests
+#           (rules/end_order.py: support); every release 0.15.0-0.33.0 has that path.
+# Decided:  by its setting, and on only with the watchdog (decide/policy.py:
+#           stall_end_verdict).
+# Removed:  with the watchdog.
 """Ending a stall no rule can end: one request, with vLLM's own scheduler-side finish.
 
 How a finish the scheduler decides reaches the client (read in every release's
@@ -32,13 +42,13 @@ and the OpenAI serving code, 0.15.1 to 0.33.0):
   runs then, so no queue is mutated while it iterates; the decision itself is taken
   inside ``schedule()`` (the encoder-input check, the split) and only recorded.
 - No release lacks the path. A scheduler class it cannot reach (the wrapper not
-  installed, an ``update_from_output`` of another shape) is named by :func:`support`,
-  and its stalls stay named, not ended.
+  installed, an ``update_from_output`` of another shape) is named by
+  :func:`vllm_mamba_fix.rules.end_order.support`, and its stalls stay named, not ended.
 
 When (see docs/reliability.md, "Ending stalls"): a stall the watchdog named, still
 at the same position ``end_stalls_after`` seconds later and after two more 0s, and
 only if the request's own encoder inputs cannot be scheduled whatever other requests
-do (:func:`vllm_mamba_fix.stalls.own_inputs_block`). A request kept by others'
+do (:func:`vllm_mamba_fix.decide.stalls.own_inputs_block`). A request kept by others'
 cache entries, budget, preemption or churn is never ended.
 """
 
@@ -49,16 +59,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix import counters
 from vllm_mamba_fix._log import failure_reporter, logger
-from vllm_mamba_fix.stalls import Streak, ZeroStreaks
-from vllm_mamba_fix.targets import MARKER, UPDATE_METHOD
-
-# Per scheduler instance: request id -> EndOrder, executed by the update wrapper.
-ORDERS_ATTR = "_vllm_mamba_fix_end_orders"
-_OUTPUT_FIELDS = ("request_id", "new_token_ids", "finish_reason", "stop_reason")
-# How the message a client reads begins (stall_watch writes it; stream_end recognises it).
-CLIENT_MESSAGE_PREFIX = "vllm-mamba-fix ended this request"
+from vllm_mamba_fix.facts.targets import MARKER
+from vllm_mamba_fix.observe import counters
+from vllm_mamba_fix.rules.end_order import ORDERS_ATTR, EndOrder
 
 
 @dataclass(frozen=True)
@@ -68,46 +72,7 @@ class EndOptions:
     end_stalls_after: float
 
 
-@dataclass(frozen=True)
-class EndOrder:
-    request_id: str
-    position: int
-    computed: int  # request.num_computed_tokens when ordered: unchanged, or no end
-    store: ZeroStreaks
-    streak: Streak
-    log_line: str
-    message: str  # what the client reads
-
-
 # -- the safe point: update_from_output ------------------------------------------------------
-
-
-def support(scheduler_cls: type) -> str | None:
-    """Why stalls of ``scheduler_cls`` cannot be ended on this vLLM, or None (doctor)."""
-    name = f"{scheduler_cls.__module__}.{scheduler_cls.__qualname__}"
-    for method in (UPDATE_METHOD, "finish_requests"):
-        if not callable(getattr(scheduler_cls, method, None)):
-            return f"{name} has no {method}"
-    try:
-        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
-        from vllm.v1.request import RequestStatus
-    except Exception as exc:
-        return f"vLLM's engine-core output types cannot be imported ({type(exc).__name__})"
-    fields = getattr(EngineCoreOutput, "__struct_fields__", ())
-    missing = [f for f in _OUTPUT_FIELDS if f not in fields]
-    if missing or "outputs" not in getattr(EngineCoreOutputs, "__struct_fields__", ()):
-        return f"vLLM's EngineCoreOutput(s) lack {', '.join(missing) or 'outputs'}"
-    if not hasattr(FinishReason, "ABORT") or not hasattr(RequestStatus, "FINISHED_ABORTED"):
-        return "vLLM has no abort finish for the scheduler to use"
-    return None
-
-
-def support_of(scheduler: Any) -> str | None:
-    """:func:`support`, and whether this scheduler's class runs the plugin's update wrapper."""
-    cls = type(scheduler)
-    if getattr(getattr(cls, UPDATE_METHOD, None), MARKER, None) is None:
-        return f"the plugin's {UPDATE_METHOD} wrapper is not installed on {cls.__qualname__}"
-    return support(cls)
 
 
 def _request_error(message: str) -> Any:

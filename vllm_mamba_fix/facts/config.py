@@ -20,7 +20,7 @@ DEFAULT_STALL_SECONDS = 30.0
 ENV_END_STALLS_AFTER = "VLLM_MAMBA_FIX_END_STALLS_AFTER"
 # Seconds after the watchdog names a stall no rule can end: see docs/reliability.md.
 DEFAULT_END_STALLS_AFTER = 60.0
-# Per-rule switches (on by default); the rule table (rules.py) names which is whose.
+# Per-rule switches (on by default); the rule table (rules/table.py) names which is whose.
 ENV_SPLIT_RULE = "VLLM_MAMBA_FIX_SPLIT_RULE"
 ENV_BLOCK_RULE = "VLLM_MAMBA_FIX_BLOCK_RULE"
 SWITCHES = (ENV_SPLIT_RULE, ENV_BLOCK_RULE)
@@ -44,7 +44,7 @@ def builtin_in_scope(request: Any, scope: Scope) -> bool:
     """The built-in rule: ``multimodal``, requests with encoder inputs; ``all``, every request.
 
     The one copy: answered directly when no third-party rule is installed, and by
-    :class:`vllm_mamba_fix.hookspecs.BuiltinScope` as the hook's last impl otherwise.
+    :class:`vllm_mamba_fix.decide.scope.BuiltinScope` as the hook's last impl otherwise.
     """
     return scope is Scope.ALL or bool(request.has_encoder_inputs)
 
@@ -146,7 +146,7 @@ def raw_values(
     return {name: env.get(name) for name in names}
 
 
-# vLLM's (and prometheus_client's) multiprocess directory, read for /metrics (metrics.py).
+# vLLM's (and prometheus_client's) multiprocess directory, read for /metrics (observe/metrics.py).
 PROMETHEUS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 # The private directory an API server hands to the engine cores it starts. Not ``VLLM_*``:
 # vLLM warns about (or, with --fail-on-environ-validation, rejects) unknown VLLM_ variables.

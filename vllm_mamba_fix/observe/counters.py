@@ -8,14 +8,27 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from typing import Protocol
 
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.decision import Action
+from vllm_mamba_fix.decide.decision import Action
 
-try:  # the same counts at vLLM's /metrics (metrics.py)
-    from vllm_mamba_fix import metrics
-except ImportError:  # pragma: no cover - until metrics.py exists
-    metrics = None  # type: ignore[assignment]
+
+class Sink(Protocol):
+    def count(self, key: str, amount: int = 1) -> None: ...
+    def prepare(self) -> None: ...
+
+
+# Where every count goes too: vLLM's /metrics. The entry point's module (plugin.py) plugs
+# metrics.py in when it is imported, so counting imports none of its observers.
+metrics: Sink | None = None
+
+
+def report_to(sink: Sink | None) -> None:
+    """Send every count to ``sink`` as well (plugin.py hands it metrics.py)."""
+    global metrics
+    metrics = sink
+
 
 # Requests whose first correction was logged at info; bounded so a long-running
 # engine does not grow it forever (an evicted id only logs at info again).

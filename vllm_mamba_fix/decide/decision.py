@@ -7,7 +7,8 @@ can be tested exhaustively without a scheduler.
   before the Mamba split, so a chunk cut short before an image is floored to 0
   and the request never moves. Upstream moved the split first in 0.28.0
   (vLLM #51603); the rule is needed there only under a scheduler whose own
-  ``schedule()`` keeps the old order. Blocks are the cache's (:mod:`.blocks`).
+  ``schedule()`` keeps the old order. Blocks are the cache's
+  (:mod:`vllm_mamba_fix.facts.blocks`).
 - :func:`speculative_stall_release` and the unshifted cut (the speculative-stall
   rule): from 0.24.0 vLLM frees an encoder input only past the drafter's
   look-ahead (vLLM #46315) and cuts before an input by that shift; 0.33.0 does

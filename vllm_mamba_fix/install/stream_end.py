@@ -1,6 +1,14 @@
+# Rule:     stall-end, its client side in the API server (attached by register() where the
+#           stall end is on)
+# Answers:  on 0.15-0.32 vLLM's chat and completions stream generators skip an output with no
+#           tokens before they read its finish, so a streaming client of an ended request
+#           reads an empty success.
+# Runs on:  0.15.0-0.32.x, on a generator whose source shows that skip (read_shape).
+# Decided:  by vLLM's code, never by the version.
+# Removed:  0.33 sends a RequestError that vLLM streams itself (EngineCoreOutput.error).
 """A streaming client learns that the plugin ended its request (vLLM 0.15-0.32's API server).
 
-The stall end (:mod:`vllm_mamba_fix.stall_end`) finishes a request with ``FinishReason.ABORT``
+The stall end (:mod:`vllm_mamba_fix.rules.stall_end`) finishes a request with ``FinishReason.ABORT``
 and its cause as ``stop_reason``. A client that does not stream reads both. A streaming one,
 on 0.15-0.32, does not. There, the chat and completions stream generators skip any output with
 no text, no tokens and no earlier tokens before they look at ``finish_reason`` ("Chunked
@@ -46,9 +54,9 @@ from types import ModuleType
 from typing import Any
 
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.import_hook import PostImportHook
-from vllm_mamba_fix.stall_end import CLIENT_MESSAGE_PREFIX
-from vllm_mamba_fix.targets import MARKER
+from vllm_mamba_fix.facts.targets import MARKER
+from vllm_mamba_fix.install.import_hook import PostImportHook
+from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX
 
 RESULTS_PARAMETER = "result_generator"
 ERROR_CLASS = "GenerationError"

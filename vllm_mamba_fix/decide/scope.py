@@ -12,9 +12,21 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.config import Scope, builtin_in_scope
+from vllm_mamba_fix.facts.config import Scope, builtin_in_scope
 
 ScopeHook = Callable[..., "bool | None"]
+
+
+class BuiltinScope:
+    """The built-in ``VLLM_MAMBA_FIX_SCOPE`` rule, registered once and asked last (marked
+    ``trylast`` by :func:`load_third_party_hook`, the one place that imports pluggy)."""
+
+    def mamba_fix_in_scope(self, request: Any, scope: str) -> bool | None:
+        try:
+            configured = Scope(scope)
+        except ValueError:
+            return None  # not a scope the built-in rule knows: defer
+        return builtin_in_scope(request, configured)
 
 
 def load_third_party_hook() -> ScopeHook | None:
@@ -26,7 +38,8 @@ def load_third_party_hook() -> ScopeHook | None:
 
         manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         manager.add_hookspecs(hookspecs.ScopeSpec)
-        manager.register(hookspecs.BuiltinScope(), name="builtin")
+        hookspecs.hookimpl(trylast=True)(BuiltinScope.mamba_fix_in_scope)
+        manager.register(BuiltinScope(), name="builtin")
         loaded = manager.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
     except Exception as exc:
         logger.warning(
@@ -84,3 +97,14 @@ class ScopePolicy:
             exc,
             self.scope.value,
         )
+
+
+def builtin_scope(scope: Any) -> Scope | None:
+    """The scope ``scope.rules_out()`` answers by the built-in rule alone (no third-party
+    hook loaded), or None where it must be asked. Loads the hook first, as rules_out() does."""
+    if not isinstance(scope, ScopePolicy) or type(scope).rules_out is not ScopePolicy.rules_out:
+        return None  # another rules_out(): ask it
+    scope.load()
+    scoped = getattr(scope, "scope", None)
+    alone = getattr(scope, "_loaded", False) is True and getattr(scope, "_hook", 0) is None
+    return scoped if alone and isinstance(scoped, Scope) else None

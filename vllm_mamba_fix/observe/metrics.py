@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from vllm_mamba_fix import config, metrics_sweep
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.blocks import unit_of_scheduler
+from vllm_mamba_fix.facts import blocks, config
+from vllm_mamba_fix.observe import metrics_sweep
 
 FILE_PREFIX = "counter_vllm-mamba-fix-"  # "counter_": the type MultiProcessCollector reads
 
@@ -286,7 +286,7 @@ def prepare(scheduler: Any = None) -> None:
     nothing to count, and the engine core makes no directory and no series. Never raises.
     """
     try:
-        if scheduler is not None and unit_of_scheduler(scheduler).no_mamba:
+        if scheduler is not None and blocks.unit_of_scheduler(scheduler).no_mamba:
             return
     except Exception:  # a broken attribute: prepare, as before
         pass

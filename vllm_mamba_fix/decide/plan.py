@@ -1,0 +1,48 @@
+"""The rules' names, a verdict on one, and a plan of them: plain values, no imports of ours.
+
+:mod:`vllm_mamba_fix.decide.policy` decides each verdict; the install record
+(:mod:`vllm_mamba_fix.observe.record`) keeps the plan each scheduler class got, so it needs
+these names without the deciding.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Rule(enum.Enum):
+    """What the plugin may install; the rule table (rules/table.py) says how."""
+
+    SPLIT = "split"
+    BLOCK_UNIT = "block-unit"
+    SPECULATIVE_STALL = "speculative-stall"
+    STALL_WATCHDOG = "stall-watchdog"
+    STALL_END = "stall-end"
+
+
+@dataclass(frozen=True)
+class RuleVerdict:
+    rule: Rule
+    active: bool
+    basis: str  # what decided: "code", "version" or "setting"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    verdicts: tuple[RuleVerdict, ...]
+
+    @property
+    def rules(self) -> frozenset[Rule]:
+        return frozenset(v.rule for v in self.verdicts if v.active)
+
+    def verdict(self, rule: Rule) -> RuleVerdict:
+        return next(v for v in self.verdicts if v.rule is rule)
+
+    def describe(self, rules: frozenset[Rule] | None = None) -> str:
+        """The verdicts on ``rules`` (default: the inactive ones), for a log line."""
+        chosen = [
+            v for v in self.verdicts if (v.rule in rules if rules is not None else not v.active)
+        ]
+        return "; ".join(f"{v.rule.value} [{v.basis}: {v.reason}]" for v in chosen)

@@ -1,0 +1,62 @@
+"""The order the watchdog leaves for the stall end, and whether a scheduler can carry one out.
+
+The data flows one way: the encoder-input check and the split (through
+:mod:`vllm_mamba_fix.decide.stalls`) tell the watchdog of their 0s, the watchdog orders the end of
+a proven stall (:mod:`vllm_mamba_fix.rules.stall_watch` leaves an :class:`EndOrder` on the
+scheduler), and the stall end acts on it at the safe point (:mod:`vllm_mamba_fix.rules.stall_end`).
+Both import this module; neither imports the other. Reads vLLM's types only inside
+:func:`support`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_mamba_fix.decide.stalls import Streak, ZeroStreaks
+from vllm_mamba_fix.facts.targets import MARKER, UPDATE_METHOD
+
+# Per scheduler instance: request id -> EndOrder, executed by the update wrapper.
+ORDERS_ATTR = "_vllm_mamba_fix_end_orders"
+_OUTPUT_FIELDS = ("request_id", "new_token_ids", "finish_reason", "stop_reason")
+# How the message a client reads begins (stall_watch writes it; stream_end recognises it).
+CLIENT_MESSAGE_PREFIX = "vllm-mamba-fix ended this request"
+
+
+@dataclass(frozen=True)
+class EndOrder:
+    request_id: str
+    position: int
+    computed: int  # request.num_computed_tokens when ordered: unchanged, or no end
+    store: ZeroStreaks
+    streak: Streak
+    log_line: str
+    message: str  # what the client reads
+
+
+def support(scheduler_cls: type) -> str | None:
+    """Why stalls of ``scheduler_cls`` cannot be ended on this vLLM, or None (doctor)."""
+    name = f"{scheduler_cls.__module__}.{scheduler_cls.__qualname__}"
+    for method in (UPDATE_METHOD, "finish_requests"):
+        if not callable(getattr(scheduler_cls, method, None)):
+            return f"{name} has no {method}"
+    try:
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+        from vllm.v1.request import RequestStatus
+    except Exception as exc:
+        return f"vLLM's engine-core output types cannot be imported ({type(exc).__name__})"
+    fields = getattr(EngineCoreOutput, "__struct_fields__", ())
+    missing = [f for f in _OUTPUT_FIELDS if f not in fields]
+    if missing or "outputs" not in getattr(EngineCoreOutputs, "__struct_fields__", ()):
+        return f"vLLM's EngineCoreOutput(s) lack {', '.join(missing) or 'outputs'}"
+    if not hasattr(FinishReason, "ABORT") or not hasattr(RequestStatus, "FINISHED_ABORTED"):
+        return "vLLM has no abort finish for the scheduler to use"
+    return None
+
+
+def support_of(scheduler: Any) -> str | None:
+    """:func:`support`, and whether this scheduler's class runs the plugin's update wrapper."""
+    cls = type(scheduler)
+    if getattr(getattr(cls, UPDATE_METHOD, None), MARKER, None) is None:
+        return f"the plugin's {UPDATE_METHOD} wrapper is not installed on {cls.__qualname__}"
+    return support(cls)
