@@ -144,7 +144,7 @@ def step_bench(workload: str, state: str, rounds: int, steps: int) -> dict[str, 
             sinks: dict[str, list[int]] = {arm: [] for arm in ARMS}
             for arm in ARMS:
                 if arm != "plugin":  # built with the plugin: its bypass would skip the arm
-                    unbind(owner[arm].scheduler)
+                    hotpath.unbind(owner[arm].scheduler)
                 hotpath._timed_step(owner[arm].scheduler, sinks[arm])
             running.append(len(owner["plugin"].scheduler.running))
             for s in range(steps):
@@ -192,9 +192,9 @@ def capture_calls(harness: Any, wrapper: Callable[..., Any]) -> list[Call]:
         try:
             return wrapper(self, request, n, *args, **kwargs)
         finally:
-            unbind(self)  # every call of the step is captured: no bypass skips this one
+            hotpath.unbind(self)  # every call of the step is captured: no bypass skips this one
 
-    unbind(harness.scheduler)
+    hotpath.unbind(harness.scheduler)
     setattr(cls, METHOD, capturing)
     try:
         cls.schedule(harness.scheduler)  # the harness is not stepped again afterwards
@@ -233,11 +233,6 @@ def _replay(scheduler: Any, calls: list[Call], loops: int) -> int:
     return clock() - t0
 
 
-def unbind(scheduler: Any) -> None:
-    """Drop the plugin's bypass from a scheduler that runs another arm (stock or bare)."""
-    vars(scheduler).pop(METHOD, None)
-
-
 def call_bench(workload: str, state: str, repeats: int, target_ns: int) -> dict[str, Any]:
     """Per split call: stock, bare and the plugin on one step's calls, interleaved blocks."""
     cls = hotpath._scheduler_class()
@@ -252,19 +247,19 @@ def call_bench(workload: str, state: str, repeats: int, target_ns: int) -> dict[
         for arm, fn in arms.items():
             answers[arm] = [fn(scheduler, req, n, *a, **k) for req, n, a, k in calls]
         setattr(cls, METHOD, original)
-        unbind(scheduler)
+        hotpath.unbind(scheduler)
         per_pass = max(_replay(scheduler, calls, 20) / 20, 1.0)
         loops = max(1, int(target_ns / per_pass))
         for fn in arms.values():  # one untimed pass each: every path warm
             setattr(cls, METHOD, fn)
-            unbind(scheduler)  # the plugin's first call binds its bypass again
+            hotpath.unbind(scheduler)  # the plugin's first call binds its bypass again
             _replay(scheduler, calls, 1)
         per_call: dict[str, list[float]] = {arm: [] for arm in arms}
         for i in range(repeats):
             order = list(arms)[i % 3 :] + list(arms)[: i % 3]
             for arm in order:
                 setattr(cls, METHOD, arms[arm])
-                unbind(scheduler)
+                hotpath.unbind(scheduler)
                 if arm == "plugin":  # untimed: the call that binds the bypass again
                     req, n, a, k = calls[0]
                     scheduler._mamba_block_aligned_split(req, n, *a, **k)
