@@ -101,7 +101,10 @@ def test_a_budget_between_the_two_blocks_is_served(
     cfg = sched_mode.apply(dataclasses.replace(BETWEEN, configured_after_build=after, **limits))
     try:
         stock = harness.run_requests(QUEUE, cfg)
-    except ValueError as exc:  # a release that checks the cache's block against the budget
+    # A release that checks the cache's block against the budget (0.17 also asserts the
+    # threshold is at least the block: a ValueError, which the harness reports as the mode's
+    # ModeUnsupported under speculation or async scheduling).
+    except (ValueError, harness.ModeUnsupported) as exc:
         pytest.skip(f"vLLM {family.name} rejects this configuration: {exc}")
     if not stock.completed:
         pytest.skip(f"stock {family.name} does not complete this workload: {stock.stall_at}")
