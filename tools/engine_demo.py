@@ -99,6 +99,9 @@ class RequestSpec(TypedDict, total=False):
     beside: int
     # Text before the first placeholder (a prompt whose text prefix another prompt cached).
     prefix: str
+    # Empty the prefix cache first: the prompt computed from token 0 under the engine's own
+    # chunking (prefix caching off would change the chunks: vLLM aligns none then).
+    cold: bool
 
 
 # Between two image placeholders, by gap: what image_prompt puts there (2), less.
@@ -129,9 +132,6 @@ class Phase:
     # RequestSpec.
     requests: list[list[int] | RequestSpec] = field(default_factory=lambda: [[0, 1]])
     max_tokens: int = 16
-    # Empty the prefix cache before each request: every prompt computed from token 0 under the
-    # engine's own chunking (prefix caching off would change the chunks: no align split).
-    cold: bool = False
 
 
 @dataclass
@@ -391,8 +391,8 @@ def _worker(spec_path: str) -> int:
             if video_ids:
                 clips = demo_videos(n=max(video_ids) + 1)
                 prompt.setdefault("multi_modal_data", {})["video"] = [clips[i] for i in video_ids]
-            if phase.get("cold") and not llm.reset_prefix_cache():
-                raise RuntimeError(f"phase {phase['name']}: vLLM did not reset the prefix cache")
+            if request.get("cold") and not llm.reset_prefix_cache():
+                raise RuntimeError(f"request {index}: vLLM did not reset the prefix cache")
             t0 = time.monotonic()
             if request.get("beside"):
                 beside = SamplingParams(

