@@ -128,15 +128,15 @@ def _messages(planned: PlannedRequest) -> list[dict[str, Any]]:
 
 def send(base_url: str, planned: PlannedRequest, read_timeout_s: float) -> RequestResult:
     """One streaming chat completion; closes the stream early if the plan says so."""
-    import httpx
-    from openai import OpenAI
+    # openai's own Timeout: openai 3.63 moved to httpx2 and rejects an httpx.Timeout.
+    from openai import OpenAI, Timeout
 
     result = RequestResult(planned)
     client = OpenAI(
         base_url=base_url + "/v1",
         api_key="EMPTY",
         max_retries=0,  # a retry would hide a hang
-        timeout=httpx.Timeout(read_timeout_s, connect=10.0),
+        timeout=Timeout(read_timeout_s, connect=10.0),
     )
     start = time.monotonic()
     try:
