@@ -233,6 +233,43 @@ def _replay(scheduler: Any, calls: list[Call], loops: int) -> int:
     return clock() - t0
 
 
+def time_arms(
+    scheduler: Any,
+    calls: list[Call],
+    arms: dict[str, Callable[..., Any]],
+    repeats: int,
+    target_ns: int,
+) -> tuple[dict[str, list[float]], int]:
+    """Per arm, ns per call of ``repeats`` interleaved blocks of about ``target_ns`` each
+    (the order rotating every block), and the passes per block. Each arm is set on the
+    class in turn; the caller puts the installed wrapper back. An arm named ``plugin``
+    gets one untimed call first, the one that binds its bypass again."""
+    cls = hotpath._scheduler_class()
+    setattr(cls, METHOD, arms["stock"])
+    hotpath.unbind(scheduler)
+    per_pass = max(_replay(scheduler, calls, 20) / 20, 1.0)
+    loops = max(1, int(target_ns / per_pass))
+    for fn in arms.values():  # one untimed pass each: every path warm
+        setattr(cls, METHOD, fn)
+        hotpath.unbind(scheduler)  # the plugin's first call binds its bypass again
+        _replay(scheduler, calls, 1)
+    names = list(arms)
+    per_call: dict[str, list[float]] = {arm: [] for arm in names}
+    for i in range(repeats):
+        shift = i % len(names)
+        for arm in names[shift:] + names[:shift]:
+            setattr(cls, METHOD, arms[arm])
+            hotpath.unbind(scheduler)
+            if arm == "plugin":
+                req, n, a, k = calls[0]
+                scheduler._mamba_block_aligned_split(req, n, *a, **k)
+            gc.disable()
+            elapsed = _replay(scheduler, calls, loops)
+            gc.enable()
+            per_call[arm].append(elapsed / loops / len(calls))
+    return per_call, loops
+
+
 def call_bench(workload: str, state: str, repeats: int, target_ns: int) -> dict[str, Any]:
     """Per split call: stock, bare and the plugin on one step's calls, interleaved blocks."""
     cls = hotpath._scheduler_class()
@@ -246,27 +283,7 @@ def call_bench(workload: str, state: str, repeats: int, target_ns: int) -> dict[
         answers = {}
         for arm, fn in arms.items():
             answers[arm] = [fn(scheduler, req, n, *a, **k) for req, n, a, k in calls]
-        setattr(cls, METHOD, original)
-        hotpath.unbind(scheduler)
-        per_pass = max(_replay(scheduler, calls, 20) / 20, 1.0)
-        loops = max(1, int(target_ns / per_pass))
-        for fn in arms.values():  # one untimed pass each: every path warm
-            setattr(cls, METHOD, fn)
-            hotpath.unbind(scheduler)  # the plugin's first call binds its bypass again
-            _replay(scheduler, calls, 1)
-        per_call: dict[str, list[float]] = {arm: [] for arm in arms}
-        for i in range(repeats):
-            order = list(arms)[i % 3 :] + list(arms)[: i % 3]
-            for arm in order:
-                setattr(cls, METHOD, arms[arm])
-                hotpath.unbind(scheduler)
-                if arm == "plugin":  # untimed: the call that binds the bypass again
-                    req, n, a, k = calls[0]
-                    scheduler._mamba_block_aligned_split(req, n, *a, **k)
-                gc.disable()
-                elapsed = _replay(scheduler, calls, loops)
-                gc.enable()
-                per_call[arm].append(elapsed / loops / len(calls))
+        per_call, loops = time_arms(scheduler, calls, arms, repeats, target_ns)
     finally:
         setattr(cls, METHOD, wrapper)
     stock = per_call["stock"]

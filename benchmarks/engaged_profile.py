@@ -21,7 +21,6 @@ Prints per-call medians and the increments. Prototypes only: not the plugin's co
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
 import statistics
@@ -69,7 +68,6 @@ def profile(workload: str, blocks: int, target_ns: int) -> dict[str, Any]:
         scheduler = harness.scheduler
         calls = engaged.capture_calls(harness, wrapper)
         arms = _arms(original, wrapper, getattr(scheduler, SPLIT_ATTR).view)
-        names = list(arms)
         # The prototypes ask as the plugin does: their answers must be the plugin's.
         answers = {
             a: [f(scheduler, r, n, *x, **k) for r, n, x, k in calls] for a, f in arms.items()
@@ -80,22 +78,7 @@ def profile(workload: str, blocks: int, target_ns: int) -> dict[str, Any]:
             not (r.num_prompt_tokens <= r.num_computed_tokens >= r.num_tokens - 1)
             for r, _, _, _ in calls
         )
-        setattr(cls, METHOD, original)
-        hotpath.unbind(scheduler)
-        per_pass = max(engaged._replay(scheduler, calls, 20) / 20, 1.0)
-        loops = max(1, int(target_ns / per_pass))
-        per_call: dict[str, list[float]] = {a: [] for a in names}
-        for i in range(blocks):
-            for arm in names[i % len(names) :] + names[: i % len(names)]:
-                setattr(cls, METHOD, arms[arm])
-                hotpath.unbind(scheduler)
-                if arm == "plugin":  # untimed: the call that binds the bypass, if any
-                    r, n, x, k = calls[0]
-                    scheduler._mamba_block_aligned_split(r, n, *x, **k)
-                gc.disable()
-                elapsed = engaged._replay(scheduler, calls, loops)
-                gc.enable()
-                per_call[arm].append(elapsed / loops / len(calls))
+        per_call, loops = engaged.time_arms(scheduler, calls, arms, blocks, target_ns)
     finally:
         setattr(cls, METHOD, wrapper)
     median = {a: statistics.median(v) / 1e3 for a, v in per_call.items()}
@@ -103,7 +86,7 @@ def profile(workload: str, blocks: int, target_ns: int) -> dict[str, Any]:
         a: statistics.median(x / y for x, y in zip(v, per_call["stock"], strict=True))
         for a, v in per_call.items()
     }
-    steps = list(itertools.pairwise(names))
+    steps = list(itertools.pairwise(arms))
     return {
         "workload": workload,
         "calls": len(calls),
