@@ -143,8 +143,6 @@ def step_bench(workload: str, state: str, rounds: int, steps: int) -> dict[str, 
                 owner = {arm: pool[(i + r) % 3] for i, arm in enumerate(ARMS)}
             sinks: dict[str, list[int]] = {arm: [] for arm in ARMS}
             for arm in ARMS:
-                if arm != "plugin":  # built with the plugin: its bypass would skip the arm
-                    hotpath.unbind(owner[arm].scheduler)
                 hotpath._timed_step(owner[arm].scheduler, sinks[arm])
             running.append(len(owner["plugin"].scheduler.running))
             for s in range(steps):
@@ -189,12 +187,8 @@ def capture_calls(harness: Any, wrapper: Callable[..., Any]) -> list[Call]:
 
     def capturing(self: Any, request: Any, n: int, *args: Any, **kwargs: Any) -> Any:
         calls.append((request, n, args, kwargs, request.num_computed_tokens))
-        try:
-            return wrapper(self, request, n, *args, **kwargs)
-        finally:
-            hotpath.unbind(self)  # every call of the step is captured: no bypass skips this one
+        return wrapper(self, request, n, *args, **kwargs)
 
-    hotpath.unbind(harness.scheduler)
     setattr(cls, METHOD, capturing)
     try:
         cls.schedule(harness.scheduler)  # the harness is not stepped again afterwards
@@ -212,23 +206,15 @@ def capture_calls(harness: Any, wrapper: Callable[..., Any]) -> list[Call]:
 
 def _replay(scheduler: Any, calls: list[Call], loops: int) -> int:
     """``loops`` passes over ``calls``; ns. Each call looks the method up on the scheduler,
-    as vLLM's ``self._mamba_block_aligned_split(...)`` does, so a bypass the plugin bound
-    to the scheduler is what a call meets. A request with encoder inputs has the bypass
-    dropped first in every arm, as the plugin's encoder wrapper does right before vLLM
-    asks its split (a missing key costs the stock and bare arms the same pop)."""
-    namespace = vars(scheduler)
-    plain = [(r, n, r.has_encoder_inputs) for r, n, a, k in calls if not a and not k]
+    as vLLM's ``self._mamba_block_aligned_split(...)`` does."""
+    plain = [(r, n) for r, n, a, k in calls if not a and not k]
     other = [c for c in calls if c[2] or c[3]]
     clock = time.perf_counter_ns
     t0 = clock()
     for _ in range(loops):
-        for req, n, multimodal in plain:
-            if multimodal:
-                namespace.pop(METHOD, None)
+        for req, n in plain:
             scheduler._mamba_block_aligned_split(req, n)
         for req, n, args, kwargs in other:
-            if req.has_encoder_inputs:
-                namespace.pop(METHOD, None)
             scheduler._mamba_block_aligned_split(req, n, *args, **kwargs)
     return clock() - t0
 
@@ -242,16 +228,13 @@ def time_arms(
 ) -> tuple[dict[str, list[float]], int]:
     """Per arm, ns per call of ``repeats`` interleaved blocks of about ``target_ns`` each
     (the order rotating every block), and the passes per block. Each arm is set on the
-    class in turn; the caller puts the installed wrapper back. An arm named ``plugin``
-    gets one untimed call first, the one that binds its bypass again."""
+    class in turn; the caller puts the installed wrapper back."""
     cls = hotpath._scheduler_class()
     setattr(cls, METHOD, arms["stock"])
-    hotpath.unbind(scheduler)
     per_pass = max(_replay(scheduler, calls, 20) / 20, 1.0)
     loops = max(1, int(target_ns / per_pass))
     for fn in arms.values():  # one untimed pass each: every path warm
         setattr(cls, METHOD, fn)
-        hotpath.unbind(scheduler)  # the plugin's first call binds its bypass again
         _replay(scheduler, calls, 1)
     names = list(arms)
     per_call: dict[str, list[float]] = {arm: [] for arm in names}
@@ -259,10 +242,6 @@ def time_arms(
         shift = i % len(names)
         for arm in names[shift:] + names[:shift]:
             setattr(cls, METHOD, arms[arm])
-            hotpath.unbind(scheduler)
-            if arm == "plugin":
-                req, n, a, k = calls[0]
-                scheduler._mamba_block_aligned_split(req, n, *a, **k)
             gc.disable()
             elapsed = _replay(scheduler, calls, loops)
             gc.enable()

@@ -76,12 +76,6 @@ def _install(cls: type, functions: dict[str, Callable[..., Any]]) -> None:
         setattr(cls, name, fn)
 
 
-def unbind(scheduler: Any) -> None:
-    """Drop the plugin's bypass (vLLM's split bound to the scheduler) so that the next call
-    meets whatever the class holds: a stock or bare arm, or the wrapper's own paths."""
-    vars(scheduler).pop(METHOD, None)
-
-
 def watchdog_settings() -> dict[str, Any]:
     """What the installed encoder wrapper was built with (the watchdog must be on)."""
     from vllm_mamba_fix.facts import targets
@@ -404,10 +398,8 @@ def micro_bench(repeats: int, target_ns: int) -> dict[str, Any]:
         for name, case in _micro_cases(harness).items():
             wrapper, original = installed[case.method]
             setattr(cls, case.method, original)
-            unbind(scheduler)
             stock_result = getattr(scheduler, case.method)(*case.args)
             setattr(cls, case.method, wrapper)
-            unbind(scheduler)
             patched_result = getattr(scheduler, case.method)(*case.args)
             loops = _calibrate(scheduler, case, target_ns)
             arms: dict[str, Callable[..., Any]] = {"original": original, "wrapper": wrapper}
@@ -427,8 +419,6 @@ def micro_bench(repeats: int, target_ns: int) -> dict[str, Any]:
                 shift = i % len(order)
                 for arm, method in order[shift:] + order[:shift]:
                     setattr(cls, case.method, method)
-                    # The wrapper's own paths: no bypass bound by an earlier call.
-                    unbind(scheduler)
                     bound = getattr(scheduler, case.method)
                     gc.disable()
                     elapsed = _loop(bound, case.args, loops)
@@ -599,8 +589,6 @@ def text_step_bench(rounds: int, steps: int) -> dict[str, Any]:
             owner = {name: harnesses[(i + r) % len(names)] for i, name in enumerate(names)}
             sinks: dict[str, list[int]] = {name: [] for name in names}
             for name in names:
-                if name != "plugin":  # built with the plugin: its bypass would skip the arm
-                    unbind(owner[name].scheduler)
                 _timed_step(owner[name].scheduler, sinks[name])
             running.append(len(harnesses[0].scheduler.running))
             for s in range(steps):

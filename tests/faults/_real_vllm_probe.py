@@ -177,6 +177,11 @@ def hygiene() -> None:
         vllm_mamba_fix.register()
         patched = is_patched()
         method = scheduler.__dict__[METHOD]
+        # What the plugin's wrapper of vLLM's encoder check notes before this split: it was
+        # asked for the step's 192 tokens and cut them at the image (token 100).
+        from vllm_mamba_fix.rules import encoder_cut
+
+        encoder_cut.note(fake_self, requests[0], 0, 192, 100)
         corrected = [method(fake_self, requests[0], 100), method(fake_self, requests[1], 200)]
         del requests[1].__dict__["shared_prefix_boundary"]  # vLLM's own method then raises
         try:

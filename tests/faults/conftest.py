@@ -98,6 +98,15 @@ class Scheduler(SchedulerInterface):
 {STOCK_ENCODER_DEF}
         if self.encoder_blocked:
             return [], 0, encoder_compute_budget, []
+        # Cut before the first input the step's encoder budget cannot take, as vLLM does.
+        end = num_computed_tokens + num_new_tokens + shift_computed_tokens
+        for feature in getattr(request, "mm_features", ()):
+            position = feature.mm_position
+            if num_computed_tokens <= position.offset < end and (
+                position.length > self.max_num_encoder_input_tokens
+            ):
+                cut = position.offset - num_computed_tokens - shift_computed_tokens
+                return [], max(cut, 0), encoder_compute_budget, []
         return [], num_new_tokens, encoder_compute_budget, []
 
     def _mamba_block_aligned_split(
@@ -159,11 +168,12 @@ class FakeRequest:
 
 
 def split_as_vllm(scheduler: Any, request: Any, num_new_tokens: int, *args: Any) -> int:
-    """The split as vLLM's own ``schedule()`` reaches it: a request with encoder inputs
-    has its encoder check first (where text requests skip the split wrapper, that check
-    is what sends a multimodal request's split through it)."""
+    """The split as vLLM's own ``schedule()`` (0.15-0.27) reaches it: a request with encoder
+    inputs has its encoder check first, which may cut the chunk before an input."""
     if request.has_encoder_inputs:
-        scheduler._try_schedule_encoder_inputs(request, request.num_computed_tokens, 1, 1)
+        num_new_tokens = scheduler._try_schedule_encoder_inputs(
+            request, request.num_computed_tokens, num_new_tokens, 1
+        )[1]
     return scheduler._mamba_block_aligned_split(request, num_new_tokens, *args)
 
 

@@ -89,7 +89,7 @@ def test_reads_only_its_own_variables(
     scheduler.max_num_scheduled_tokens = 100  # below the block: a text 0 never clears
     # Corrections: a collapse at an image the encoder budget can never take (the first one
     # loads the scope hooks), a text request in scope 'all' whose 0 never clears.
-    assert scheduler._mamba_block_aligned_split(FakeRequest(), 100) == 100
+    assert split_as_vllm(scheduler, FakeRequest(), 256) == 100
     text = FakeRequest("text", has_encoder_inputs=False)
     assert scheduler._mamba_block_aligned_split(text, 50) == 50
     assert scheduler._mamba_block_aligned_split(Exception(), 100) == 0  # failure path
@@ -153,7 +153,7 @@ def test_logs_carry_no_prompt_content(
     for step, request_id in enumerate(["req-a", "req-a", "req-b"]):
         request = PromptRequest(request_id, num_computed_tokens=step * 40)
         # Each chunk is cut at FakeRequest's image (token 100), which never fits.
-        corrected += split_as_vllm(scheduler, request, 100 - step * 40) > 0
+        corrected += split_as_vllm(scheduler, request, 256) > 0
     broken = PromptRequest("req-broken")
     del broken.num_prompt_tokens
     split_as_vllm(scheduler, broken, 100, 40)  # failure path

@@ -9,9 +9,16 @@ from typing import Any
 import pytest
 
 from tests.conftest import InstallScopeRule
-from tests.faults.conftest import BLOCK, FakeRequest, FakeVllm, LogCapture, scheduler_method
+from tests.faults.conftest import (
+    BLOCK,
+    FakeRequest,
+    FakeVllm,
+    LogCapture,
+    scheduler_method,
+)
 from vllm_mamba_fix import register, unregister
 from vllm_mamba_fix.facts import targets
+from vllm_mamba_fix.rules import encoder_cut
 
 FakeFactory = Callable[..., FakeVllm]
 
@@ -134,9 +141,16 @@ BROKEN_REQUESTS: dict[str, Callable[[], Any]] = {
         **{k: v for k, v in _full().items() if k != "has_encoder_inputs"}
     ),
     "no-request_id": lambda: Bare(**{k: v for k, v in _full().items() if k != "request_id"}),
-    "mm_features-not-a-list": lambda: Bare(**_full(mm_features=3)),
     "every-attribute-raises": Exploding,
 }
+
+
+def split_cut_at_the_image(scheduler: Any, request: Any) -> int:
+    """The split of a chunk vLLM's encoder check cut at FakeRequest's image, 256 tokens asked
+    and 100 given, as the encoder wrapper notes it (a broken request would break the fake's
+    own check first)."""
+    encoder_cut.note(scheduler, request, 0, 256, 100)
+    return int(scheduler._mamba_block_aligned_split(request, 100))
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN_REQUESTS))
@@ -146,17 +160,17 @@ def test_correction_failure_returns_vllms_result(
     scheduler = patched(BLOCK)
     request = BROKEN_REQUESTS[case]()
     stock = 0  # 100 // 128 * 128: the correction would have been needed
-    assert scheduler._mamba_block_aligned_split(request, 100) == stock
+    assert split_cut_at_the_image(scheduler, request) == stock
     logs.assert_no_traceback()
     assert len(logs.visible) == 1, logs.visible
     (warning,) = logs.warnings
     assert "correction failed" in warning and "using vLLM's result" in warning
     # Later failures stay quiet (vLLM calls this every step) and still return stock.
     for _ in range(3):
-        assert scheduler._mamba_block_aligned_split(BROKEN_REQUESTS[case](), 100) == stock
+        assert split_cut_at_the_image(scheduler, BROKEN_REQUESTS[case]()) == stock
     assert len(logs.visible) == 1, logs.visible
     # Healthy requests are still corrected.
-    assert scheduler._mamba_block_aligned_split(FakeRequest(), 100) == 100
+    assert split_cut_at_the_image(scheduler, FakeRequest()) == 100
 
 
 def test_scheduler_without_cache_config(patched: type, logs: LogCapture) -> None:
@@ -184,7 +198,7 @@ def test_raising_scope_hook_falls_back_to_builtin(
     register()
     logs.clear()
     scheduler = patched(BLOCK)
-    assert scheduler._mamba_block_aligned_split(FakeRequest(), 100) == 100
+    assert split_cut_at_the_image(scheduler, FakeRequest()) == 100
     text = FakeRequest(has_encoder_inputs=False, request_id="text")
     assert scheduler._mamba_block_aligned_split(text, 100) == 0
     logs.assert_no_traceback()

@@ -106,6 +106,7 @@ class Workload:
     saturated_encoder: bool = False
     prefix_match_unit: int | None = None
     checkpoint_alignment: int | None = None
+    encoder_compute_tokens: int | None = None  # one step's encoder budget; None: vLLM's
 
     @property
     def requests(self) -> tuple[PropRequest, ...]:
@@ -126,6 +127,8 @@ class Workload:
             max_len = max(longest, 1024, s.budget, s.threshold)
             changes["max_model_len"] = max_len
             changes["num_blocks"] = 3 * max_len // (2 * s.block_size) + 2
+        if self.encoder_compute_tokens is not None:
+            changes["encoder_compute_tokens"] = self.encoder_compute_tokens
         if self.saturated_encoder:
             sizes = [n for r in s.requests for _, n in r.mm_spans]
             changes["encoder_compute_tokens"] = max(sizes, default=0) or None

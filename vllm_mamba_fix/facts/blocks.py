@@ -18,25 +18,16 @@ configured size after the scheduler is built.
 
 from __future__ import annotations
 
-import dataclasses
-import threading
-import types
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.facts.targets import SPLIT_METHOD
 
 # Set on each built scheduler: the unit (0 when unreadable).
 BLOCK_ATTR = "_vllm_mamba_fix_block_size"
 # Set on each scheduler at its first split: its SplitState. The split wrapper reads it
 # under this literal name on its hot path.
 SPLIT_ATTR = "_vllm_mamba_fix_split"
-# Set on a scheduler whose text requests skip the split wrapper: its encoder wrapper
-# unbinds vLLM's split before a multimodal request's split, so that one meets the wrapper.
-ARM_ATTR = "_vllm_mamba_fix_arm"
 CACHE_CONFIG_ATTR = "cache_config"
 MAMBA_SPEC_CLASS = "MambaSpec"
 NO_MAMBA_GROUP = "no Mamba KV cache group"
@@ -134,9 +125,9 @@ class SplitState:
     starved: bool = False
     # Nothing a call can need when the view is not engaged: return vLLM's answer.
     quiet: bool = False
-    # vLLM's split bound to this scheduler, set as its instance attribute (calls skip the
-    # wrapper): where it is quiet, or where only multimodal requests can need a rule.
-    bypass: Callable[..., int] | None = None
+    # The options of the wrapper that settled it: a wrapper with other options (the class
+    # re-wrapped, the plugin registered again) settles the scheduler again.
+    settled_for: Any = None
 
 
 def longest_chunk(scheduler: Any) -> int | None:
@@ -251,39 +242,3 @@ def settle_split(
     state = SplitState(size, view, configured_size, beyond, starved)
     setattr(scheduler, SPLIT_ATTR, state)
     return state, unit
-
-
-# Schedulers holding a bypass: the plugin's class changes and undo drop it.
-_bypassed: weakref.WeakSet[Any] = weakref.WeakSet()
-_bypass_lock = threading.Lock()
-
-
-def with_bypass(
-    scheduler: Any, state: SplitState, original: Callable[..., int], armed: bool
-) -> SplitState:
-    """``state`` with vLLM's split bound to ``scheduler`` as its bypass (``armed``: the
-    encoder wrapper unbinds it before each multimodal request's split). Unchanged where the
-    scheduler cannot be tracked, so that undo always reaches what it binds."""
-    if not isinstance(getattr(scheduler, "__dict__", None), dict):
-        return state  # no instance namespace to bind in: calls keep meeting the wrapper
-    try:
-        with _bypass_lock:
-            _bypassed.add(scheduler)
-    except TypeError:  # not weakly referenceable: undo could not reach the bypass
-        return state
-    if armed:
-        setattr(scheduler, ARM_ATTR, True)
-    return dataclasses.replace(state, bypass=types.MethodType(original, scheduler))
-
-
-def drop_bypasses(cls: type | None = None) -> None:
-    """Every bypass on an instance of ``cls`` (all, if None) removed with its settlement:
-    the next split meets the class's method, whatever it is now, and settles again."""
-    with _bypass_lock:
-        schedulers = [s for s in _bypassed if cls is None or isinstance(s, cls)]
-        for scheduler in schedulers:
-            _bypassed.discard(scheduler)
-    for scheduler in schedulers:
-        namespace = vars(scheduler)
-        for name in (SPLIT_METHOD, ARM_ATTR, SPLIT_ATTR):
-            namespace.pop(name, None)

@@ -12,9 +12,9 @@ Two moments:
   (a :class:`~vllm_mamba_fix.observe.record.MethodRecord`), and plugin records it.
 
 Every change is logged in one list, so :func:`undo` restores exactly what was
-there (a method the class did not define is deleted again), and drops every scheduler's
-bound bypass of the split wrapper (``blocks.with_bypass``) on the classes it touches.
-Idempotent: a method that already resolves to a wrapper is not wrapped twice.
+there (a method the class did not define is deleted again). Nothing is ever set on a
+scheduler instance's namespace in vLLM's place. Idempotent: a method that already resolves
+to a wrapper is not wrapped twice.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix.facts.blocks import drop_bypasses
 from vllm_mamba_fix.facts.evidence import defining_class
 from vllm_mamba_fix.facts.targets import (
     ENCODER_METHOD,
@@ -78,8 +77,6 @@ def _set(cls: type, name: str, value: Any) -> None:
     with _lock:
         _changes.append(_Change(cls, name, cls.__dict__.get(name, _MISSING), value))
         setattr(cls, name, value)
-    # A scheduler bound to vLLM's split past the old wrapper meets the new one.
-    drop_bypasses(cls)
 
 
 def _wrap(name: str, original: Callable[..., Any], options: Any) -> Any:
@@ -211,8 +208,16 @@ def _has_wrapped_base(cls: type, name: str) -> bool:
 
 
 def wrap(cls: type, options: WrapOptions) -> None:
-    """Wrap ``cls``'s own split (tests and benchmarks); callers run ``check_target`` first."""
+    """Wrap ``cls``'s own split (tests and benchmarks); callers run ``check_target`` first.
+
+    With the split rule, its own encoder check too, where not wrapped yet: the rule's ear."""
     _set(cls, SPLIT_METHOD, make_wrapper(cls.__dict__[SPLIT_METHOD], options))
+    if (
+        options.deadlock_rules
+        and ENCODER_METHOD in cls.__dict__
+        and not is_wrapped(cls, ENCODER_METHOD)
+    ):
+        wrap_encoder(cls, EncoderOptions(options.scope, False, None))
 
 
 def wrap_encoder(cls: type, options: EncoderOptions) -> None:
@@ -238,8 +243,6 @@ def undo(cls: type | None = None) -> bool:
                 delattr(change.cls, change.name)
         else:
             setattr(change.cls, change.name, change.previous)
-    for changed in dict.fromkeys(c.cls for c in changes):
-        drop_bypasses(changed)
     return bool(changes)
 
 

@@ -178,8 +178,13 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
             for name, problem in problems.items():
                 if rules.NEEDS.get(name) in problems:
                     continue  # the line of the method it acts through names its rules
-                # Without _free_request only the streak cap bounds per-request state.
-                level = logging.DEBUG if name == FREE_REQUEST_METHOD else logging.WARNING
+                # Without _free_request only the streak cap bounds per-request state; an
+                # encoder check that carries only the split rule's ear leaves that rule
+                # blind to encoder cuts, and a class without that method makes none.
+                quiet = name == FREE_REQUEST_METHOD or (
+                    name in rules.RULE_METHODS and not rules.rules_through(name, decided.rules)
+                )
+                level = logging.DEBUG if quiet else logging.WARNING
                 _say_once(level, _install_problem_line(name, problem, decided))
             _installed = installed
             # The base's record, kept even where nothing was installed (doctor reads it).

@@ -13,9 +13,9 @@
 #           check while the watchdog runs (rules/stall_watch.py).
 """The wrapper of ``Scheduler._try_schedule_encoder_inputs``: the speculative-stall rule,
 the stall watchdog and the stall end's decision (:mod:`vllm_mamba_fix.rules.stall_end` ends the
-request). Only a result of 0 tokens is looked at; every other call returns vLLM's result
-after two dict checks (the second arms the split wrapper for this request where text
-requests bypass it).
+request), and the split rule's ear: every call's answer is noted for the split that vLLM
+asks next (:mod:`vllm_mamba_fix.rules.encoder_cut`). Only a result of
+0 tokens is looked at; every other call returns vLLM's result after a dict check.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from vllm_mamba_fix.decide import stalls
 from vllm_mamba_fix.decide.decision import Action, speculative_stall_release, unshifted_cut_needed
 from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.decide.stalls import REPEATED, ZeroStreaks, watchdog_due
-from vllm_mamba_fix.facts.blocks import ARM_ATTR, block_size_of
-from vllm_mamba_fix.facts.targets import MARKER, SPLIT_METHOD
+from vllm_mamba_fix.facts.blocks import block_size_of
+from vllm_mamba_fix.facts.targets import MARKER
 from vllm_mamba_fix.observe import counters
-from vllm_mamba_fix.rules import stall_watch
+from vllm_mamba_fix.rules import encoder_cut, stall_watch
 from vllm_mamba_fix.rules.stall_watch import log_moving_again
 
 
@@ -158,23 +158,21 @@ def make_encoder_wrapper(
             shift_computed_tokens,
         )
         try:
-            namespace = self.__dict__
-            if ARM_ATTR in namespace:
-                # This request's split meets the split wrapper (blocks.with_bypass).
-                namespace.pop(SPLIT_METHOD, None)
             if result[1] or not num_new_tokens:
                 if streaks and request.request_id in streaks:
                     on_progress(request)
-                return result
-            return on_zero(
-                self,
-                request,
-                num_computed_tokens,
-                num_new_tokens,
-                encoder_compute_budget,
-                shift_computed_tokens,
-                result,
-            )
+            else:
+                result = on_zero(
+                    self,
+                    request,
+                    num_computed_tokens,
+                    num_new_tokens,
+                    encoder_compute_budget,
+                    shift_computed_tokens,
+                    result,
+                )
+            encoder_cut.note(self, request, num_computed_tokens, num_new_tokens, result[1])
+            return result
         except Exception as exc:
             return fall_back(exc, result)
 

@@ -5,7 +5,9 @@
 #           order in vLLM #51603 ("Apply Mamba alignment before encoder caps", 0.28.0).
 # Runs on:  0.15.0-0.27.1; on 0.28+ only under a scheduler whose own schedule() keeps the old
 #           order (a platform's, or a build without #51603). Carried by the split method's
-#           wrapper (rules/wrappers.py).
+#           wrapper (rules/wrappers.py); the encoder check's wrapper tells it which chunks that
+#           check cut (rules/encoder_cut.py). Answers to upstream 0.28.0: what 0.28 completes,
+#           the rule completes, with 0.28's chunks.
 # Decided:  by the scheduler class's own code (facts/evidence.py: split after encoder
 #           budgeting), by the version where the code cannot tell (decide/policy.py:
 #           split_verdict); VLLM_MAMBA_FIX=force installs it on any release.
@@ -30,7 +32,6 @@ from vllm_mamba_fix.decide.decision import (
     decide,
     in_prefill_by_output_tokens,
     in_prefill_by_position,
-    tokens_to_next_boundary,
 )
 from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.facts.targets import (
@@ -40,7 +41,7 @@ from vllm_mamba_fix.facts.targets import (
 )
 from vllm_mamba_fix.facts.versions import PrefillGate
 from vllm_mamba_fix.observe import counters
-from vllm_mamba_fix.rules.encoder_facts import own_inputs_proof
+from vllm_mamba_fix.rules import encoder_cut
 
 
 @dataclass(frozen=True)
@@ -102,44 +103,19 @@ def has_known_parameters(method: Callable[..., int]) -> bool:
     )
 
 
-def _encoder_input_starts_at(request: Any, position: int) -> bool:
-    """Whether an encoder input's placeholder starts at ``position``.
-
-    vLLM cuts a chunk there, less the cut shift, when that input cannot be scheduled.
-    """
-    return any(feature.mm_position.offset == position for feature in request.mm_features)
-
-
-def encoder_cut_shift(scheduler: Any) -> int:
-    """The tokens vLLM leaves before an encoder input it cannot schedule, as it computes them.
-
-    0.28+ pass ``num_prefill_lookahead`` (num_spec_tokens for multi-module
-    MTP); 0.15-0.27 pass ``1 if use_eagle else 0``.
-    """
-    lookahead = getattr(scheduler, "num_prefill_lookahead", None)
-    if lookahead is not None:
-        return int(lookahead)
-    return 1 if getattr(scheduler, "use_eagle", False) else 0
-
-
 Corrector = Callable[[Any, Any, int, int, int, int, bool, tuple[Any, ...], dict[str, Any]], int]
-
-
-def own_cut_never_clears(scheduler: Any, request: Any, position: int, block_size: int) -> bool:
-    """Whether the request, left at ``position`` by an encoder cut, can never get the
-    smallest chunk vLLM's split does not floor to 0, whatever other requests do: its own
-    encoder inputs do not fit together. Else the cut is a wait stock clears by itself."""
-    window_end = min((position // block_size + 1) * block_size, int(request.num_prompt_tokens))
-    return own_inputs_proof(scheduler, request, position, window_end) is not None
 
 
 def make_corrector(original: Callable[..., int], options: WrapOptions) -> Corrector:
     """The rare path: decide, ask the scope hook, count and log.
 
-    The split rule acts only where stock's answer would never clear: an encoder cut the
-    request's own inputs keep in place, or a block beyond the longest chunk vLLM's split
-    is asked for (``beyond_chunk``). Every other short answer is a wait for budget or
-    for another request's cache space, and stays stock's.
+    The split rule answers as upstream 0.28 orders the split: where the encoder-input check
+    cut the chunk (its wrapper says so, :mod:`vllm_mamba_fix.rules.encoder_cut`), vLLM's
+    split is asked for the chunk before the cut, and the answer ends at the cut; whatever
+    kept the input out (the request's own inputs, another request's, the encoder budget),
+    the cut is never floored to 0. A chunk the token budget cut stays stock's wait, as in
+    0.28, unless the block is beyond the longest chunk vLLM's split is ever asked for
+    (``beyond_chunk``: that 0 never clears on 0.15-0.26).
     """
     by_position = options.prefill_gate is PrefillGate.BEFORE_PREFILL_END
     scope = options.scope
@@ -169,23 +145,17 @@ def make_corrector(original: Callable[..., int], options: WrapOptions) -> Correc
         if not in_prefill:
             return stock
         uncut = None
-        end = start + num_new_tokens
         if not ruled_out and stock < num_new_tokens:
-            # vLLM cuts one look-ahead before the input; the speculative-stall rule's retry
-            # cuts at the input itself.
-            shift = encoder_cut_shift(self)
-            at_input = _encoder_input_starts_at(request, end + shift) or (
-                shift > 0 and _encoder_input_starts_at(request, end)
-            )
-            if at_input and (
-                beyond_chunk or own_cut_never_clears(self, request, start + stock, block_size)
-            ):
-                # Ask vLLM where it would stop if the encoder had not cut the chunk.
-                reach = num_new_tokens + tokens_to_next_boundary(end, block_size)
-                uncut = original(self, request, reach, *args, **kwargs)
+            asked = encoder_cut.uncut_tokens(self, request, start, num_new_tokens)
+            if asked is not None:
+                # 0.28's order: the split of the chunk the encoder check was asked for
+                # (its look-ahead shift is in the cut already), then the cut.
+                uncut = original(self, request, asked, *args, **kwargs)
+                if not uncut and not beyond_chunk:
+                    return stock  # 0.28 waits here too: the budget is below a block
             elif not beyond_chunk:
                 if not stock or not realign_others:
-                    return stock  # a wait that clears: stock's answer
+                    return stock  # a token-budget cut: stock's wait, as in 0.28
                 ruled_out = True  # only the re-align may still apply
         decision = decide(stock, num_new_tokens, start, block_size, True, uncut)
         action = decision.action

@@ -130,7 +130,9 @@ def _split_carried(options: WrapOptions) -> frozenset[Rule]:
 def _encoder_options(
     rules: frozenset[Rule], facts: Facts, scope: ScopePolicy
 ) -> EncoderOptions | None:
-    if not rules & {Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG, Rule.STALL_END}:
+    # The split rule learns from this wrapper which chunks the check cut (encoder_cut.py):
+    # wrapped wherever it runs, carrying only that ear if no rule of its own.
+    if not rules & {Rule.SPLIT, Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG, Rule.STALL_END}:
         return None
     settings = facts.settings
     return EncoderOptions(

@@ -58,7 +58,7 @@ def settle_if_differs(scheduler: Any) -> None:
     wrapper = getattr(type(scheduler), SPLIT_METHOD, None)
     options = getattr(wrapper, MARKER, None)
     if isinstance(options, WrapOptions):
-        _, unit = settle(scheduler, options, getattr(wrapper, "__wrapped__", None))
+        _, unit = settle(scheduler, options)
         record.note_block_unit(type(scheduler), unit)
 
 
@@ -106,12 +106,12 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
 
     def state_of(self: Any) -> SplitState:
         try:
-            state, unit = settle(self, options, original)
+            state, unit = settle(self, options)
             record.note_block_unit(type(self), unit)
             return state
         except Exception as exc:
             settle_failed(exc, None)
-            state = SplitState(0, quiet=True)  # stand down for this scheduler, once
+            state = SplitState(0, quiet=True, settled_for=options)  # stand down, once
             setattr(self, SPLIT_ATTR, state)
             return state
 
@@ -232,10 +232,8 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
             state = self._vllm_mamba_fix_split  # blocks.SPLIT_ATTR
         except AttributeError:
             state = state_of(self)
-        if state.bypass is not None:
-            # The next call skips this wrapper (the encoder wrapper unbinds it again
-            # before a multimodal request's split).
-            self.__dict__[SPLIT_METHOD] = state.bypass
+        if state.settled_for is not options:
+            state = state_of(self)
         view = state.view
         if view is not None:
             # engaged(), inlined for this signature: a decode is one comparison away from
@@ -322,8 +320,8 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
             state = self._vllm_mamba_fix_split  # blocks.SPLIT_ATTR
         except AttributeError:
             state = state_of(self)
-        if state.bypass is not None:
-            self.__dict__[SPLIT_METHOD] = state.bypass
+        if state.settled_for is not options:
+            state = state_of(self)
         if state.view is not None:
             return engaged(self, state, request, num_new_tokens, args, kwargs)
         stock = original(self, request, num_new_tokens, *args, **kwargs)

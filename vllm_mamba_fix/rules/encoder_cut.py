@@ -1,0 +1,60 @@
+"""Which chunk the encoder-input check cut, told by its wrapper to the split rule.
+
+Through 0.27.1 ``schedule()`` asks ``_try_schedule_encoder_inputs`` right before the split,
+for every request with encoder inputs, in both of its loops: the check cuts the chunk before
+the first input it cannot schedule (its own inputs, another request's, or the step's encoder
+budget keep it out), and the split then floors that cut. Upstream 0.28 splits the uncut
+chunk first and cuts second (vLLM #51603), so an encoder cut is never floored to 0 there.
+
+The split alone cannot tell an encoder cut from a token-budget cut that happens to end
+before an image; the encoder check can. Its wrapper notes, per scheduler, the request it
+was asked about, where that request stood, how many tokens it was asked for and how many
+it gave; the split wrapper asks :func:`uncut_tokens` for the same request at the same
+position. A note is overwritten by the next check, so it only ever describes the chunk the
+split is asked about now; it holds ids, never the objects. No vLLM import.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class EncoderCut(NamedTuple):
+    scheduler: int  # id() of the scheduler asked: the note holds no reference
+    request: int  # id() of the request
+    computed: int  # the request's position when the check was asked
+    asked: int  # the tokens the check was asked for: the chunk before any encoder cut
+    given: int  # the tokens it gave
+
+
+# The last check's answer. vLLM asks the split right after the check, on the same thread;
+# a note of another scheduler or request (interleaved threads) matches no split: stock's.
+_last: EncoderCut | None = None
+
+
+def note(scheduler: Any, request: Any, computed: int, asked: int, given: int) -> None:
+    """The encoder check of ``scheduler`` gave ``given`` of ``asked`` tokens at ``computed``."""
+    global _last
+    _last = EncoderCut(id(scheduler), id(request), computed, asked, given)
+
+
+def uncut_tokens(scheduler: Any, request: Any, start: int, num_new_tokens: int) -> int | None:
+    """The chunk the split would have been asked for without the encoder cut, where the
+    encoder check cut exactly this one (``num_new_tokens`` at ``start``); else None."""
+    cut = _last
+    if (
+        cut is None
+        or cut.scheduler != id(scheduler)
+        or cut.request != id(request)
+        or cut.computed != start
+        or cut.given != num_new_tokens
+        or cut.asked <= num_new_tokens
+    ):
+        return None
+    return cut.asked
+
+
+def forget() -> None:
+    """Drop the note (tests, and unregister())."""
+    global _last
+    _last = None
