@@ -418,6 +418,11 @@ def _pid_namespace() -> int:
     return os.stat("/proc/self/ns/pid").st_ino
 
 
+def _boot() -> str:
+    """This boot, as the directory names carry it: the boot id's first 16 hex digits."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:16]
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -460,6 +465,7 @@ def test_attach_sweeps_only_the_directories_of_gone_servers(tmp_path: Path) -> N
     next server's attach() removes such directories, and nothing else."""
     tmp = _tmpdir(tmp_path)
     ns, dead, dead_writer = _pid_namespace(), _dead_pid(), _dead_pid()
+    here = f"{ns}-{_boot()}"  # this pid namespace and boot
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
@@ -470,32 +476,38 @@ def test_attach_sweeps_only_the_directories_of_gone_servers(tmp_path: Path) -> N
                 break
             time.sleep(0.05)
         gone = {  # must be removed
-            "0.4.0 name, server gone": _private(tmp, f"{dead}-0123456789ab", (dead_writer,)),
-            "server gone": _private(tmp, f"{dead}-{live_start}-{ns}-0123456789ab", (dead,)),
+            "server gone": _private(tmp, f"{dead}-{live_start}-{here}-0123456789ab", (dead,)),
+            "start unknown, server gone": _private(tmp, f"{dead}-0-{here}-0123456789ab"),
             "pid reused by another process": _private(
-                tmp, f"{live.pid}-{live_start + 1}-{ns}-0123456789ab", (dead_writer,)
+                tmp, f"{live.pid}-{live_start + 1}-{here}-0123456789ab", (dead_writer,)
             ),
-            "server a zombie": _private(tmp, f"{zombie.pid}-{zombie_start}-{ns}-0123456789ab"),
+            "server a zombie": _private(tmp, f"{zombie.pid}-{zombie_start}-{here}-0123456789ab"),
         }
-        shared = _private(tmp, f"{dead}-{live_start}-{ns}-000000000000", (dead,))
+        shared = _private(tmp, f"{dead}-{live_start}-{here}-000000000000", (dead,))
         kept = {  # must stay, with everything in them
             "server alive": _private(
-                tmp, f"{live.pid}-{live_start}-{ns}-0123456789ab", (live.pid, dead_writer)
+                tmp, f"{live.pid}-{live_start}-{here}-0123456789ab", (live.pid, dead_writer)
             ),
-            "0.4.0 name, pid alive": _private(tmp, f"{live.pid}-0123456789ab"),
+            "start unknown, pid alive": _private(tmp, f"{live.pid}-0-{here}-0123456789ab"),
             "server gone, an engine core alive": _private(
-                tmp, f"{dead}-abcdefabcdef", (dead_writer, live.pid)
+                tmp, f"{dead}-0-{here}-abcdefabcdef", (dead_writer, live.pid)
             ),
-            "a file not the plugin's": _private(tmp, f"{dead}-111111111111", (dead,), "x.db"),
-            "another pid namespace": _private(tmp, f"{dead}-{live_start}-{ns + 1}-0123456789ab"),
+            "a file not the plugin's": _private(
+                tmp, f"{dead}-0-{here}-111111111111", (dead,), "x.db"
+            ),
+            "0.4.0 name, server gone": _private(tmp, f"{dead}-0123456789ab", (dead_writer,)),
+            "another pid namespace": _private(
+                tmp, f"{dead}-{live_start}-{ns + 1}-{_boot()}-0123456789ab"
+            ),
             "not the plugin's name": _private(tmp, f"{dead}-0123456789ab-old", (dead,)),
             "PROMETHEUS_MULTIPROC_DIR": shared,
         }
         if os.getuid() == 0:  # root can make another user's directory
-            other = kept["another user's"] = _private(tmp, f"{dead}-222222222222", (dead,))
+            other = _private(tmp, f"{dead}-0-{here}-222222222222", (dead,))
+            kept["another user's"] = other
             os.chown(other, 12345, 12345)
-        target = _private(tmp, f"{dead}-333333333333-target", (dead,))
-        link = tmp / f"vllm-mamba-fix-metrics-{dead}-444444444444"
+        target = _private(tmp, f"{dead}-0-{here}-333333333333-target", (dead,))
+        link = tmp / f"vllm-mamba-fix-metrics-{dead}-0-{here}-444444444444"
         link.symlink_to(target, target_is_directory=True)
         before = {name: sorted(p.iterdir()) for name, p in kept.items()}
         result = _attach_in_a_server(tmp, PROMETHEUS_MULTIPROC_DIR=str(shared))
@@ -507,8 +519,8 @@ def test_attach_sweeps_only_the_directories_of_gone_servers(tmp_path: Path) -> N
         assert result["private"] is None  # vLLM's directory is used, as before
         # attach() names its own directory so that a later start can tell it is alive.
         result = _attach_in_a_server(tmp)
-        pid, start, namespace, token = Path(result["private"]).name.split("-")[4:]
-        assert (int(pid), int(namespace), len(token)) == (result["pid"], ns, 12)
+        pid, start, namespace, boot, token = Path(result["private"]).name.split("-")[4:]
+        assert (int(pid), int(namespace), boot, len(token)) == (result["pid"], ns, _boot(), 12)
         assert int(start) >= _proc_start(os.getpid())  # it started after this test did
     finally:
         for proc in (live, zombie):
@@ -521,9 +533,10 @@ def test_the_sweep_never_raises(tmp_path: Path) -> None:
     from vllm_mamba_fix.observe import metrics_sweep
 
     assert metrics_sweep.sweep(directory=str(tmp_path / "missing")) == []
-    broken = tmp_path / f"vllm-mamba-fix-metrics-{_dead_pid()}-0123456789ab"
+    here = f"{_pid_namespace()}-{_boot()}"
+    broken = tmp_path / f"vllm-mamba-fix-metrics-{_dead_pid()}-0-{here}-0123456789ab"
     broken.symlink_to(tmp_path / "nowhere")  # a dangling link with the plugin's name
-    huge = _private(tmp_path, "9999999999-0123456789ab")  # beyond a C int: cannot tell
+    huge = _private(tmp_path, f"9999999999-1-{here}-0123456789ab")  # beyond a C int: cannot tell
     assert metrics_sweep.sweep(directory=str(tmp_path)) == []
     assert broken.is_symlink() and huge.is_dir()
 

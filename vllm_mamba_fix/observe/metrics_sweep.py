@@ -6,14 +6,21 @@ process removes it at exit. A SIGKILL or an unhandled SIGTERM skips that, so suc
 left its directory behind. The next serving process to start removes those, and only
 those:
 
-- named as :func:`directory_name` names them (or 0.4.0's ``<pid>-<token>``), a real
-  directory (not a symlink), owned by this user;
+- named as :func:`directory_name` names them, with this host's boot and this process's pid
+  namespace: only there does the pid in the name mean what it means here. A temporary
+  directory may be shared between containers (each its own pid namespace) or between hosts
+  (a network file system, where every host's initial namespace has the same inode: the boot
+  id tells them apart). 0.4.0's names (``<pid>-<token>``), the earlier development names
+  without a boot (``<pid>-<start>-<namespace>-<token>``), and names with an unknown (0)
+  namespace or boot prove neither, so they are never removed;
+- a real directory (not a symlink), owned by this user;
 - whose serving process is gone: its pid names no process, a zombie, or a process that
-  started at another time than the one in the name (the pid was reused). A directory named
-  in another pid namespace is never judged (a ``/tmp`` shared between containers);
+  started at another time than the one in the name (the pid was reused);
 - holding nothing but the plugin's counter files, each of a writer (an engine core) that
   no longer runs.
 
+A process that cannot read its own pid namespace and boot (no ``/proc``, or a ``/proc`` of
+another namespace, whose pids are not its own) removes nothing, and says so in one line.
 Where any of it cannot be told, the directory stays. ``PROMETHEUS_MULTIPROC_DIR`` is never
 looked into: vLLM and the user own it, and a dead process's counter file there is part of
 the counters' totals (prometheus_client's multiprocess mode). Never raises.
@@ -31,8 +38,8 @@ from collections.abc import Iterable
 from vllm_mamba_fix._log import logger
 
 PREFIX = "vllm-mamba-fix-metrics-"
-# <pid>-<start ticks>-<pid namespace>-<token> (0 where unknown); 0.4.0: <pid>-<token>.
-_NAME = re.compile(r"vllm-mamba-fix-metrics-(\d{1,10})-(?:(\d{1,20})-(\d{1,20})-)?[0-9a-f]{12}")
+# <pid>-<start ticks>-<pid namespace>-<boot>-<token>, 0 where unknown: at most 105 characters.
+_NAME = re.compile(PREFIX + r"(\d{1,10})-(\d{1,20})-(\d{1,20})-([0-9a-f]{16}|0)-[0-9a-f]{12}")
 _WRITER_FILE = re.compile(r"counter_vllm-mamba-fix-(\d{1,10})\.db")
 _PROC = "/proc"
 
@@ -57,21 +64,38 @@ def _start_ticks(pid: int) -> int | None:
 
 
 def _pid_namespace() -> int:
-    """This process's pid namespace (0: unknown); only where ``/proc`` shows this namespace."""
+    """This process's pid namespace (0: unknown); only where ``/proc`` shows this namespace.
+
+    ``NSpid`` lists a process's pid in each namespace from the one ``/proc`` was mounted in
+    down to its own: one entry, our own pid, only in a ``/proc`` of our namespace.
+    """
     try:
-        if int(os.readlink(f"{_PROC}/self")) != os.getpid():
-            return 0  # a /proc of another namespace: its pids are not ours
+        with open(f"{_PROC}/self/status") as fh:
+            nspid = next((line.split()[1:] for line in fh if line.startswith("NSpid:")), None)
+        if nspid != [str(os.getpid())]:
+            return 0  # a /proc of another namespace (its pids are not ours), or a kernel < 4.1
         return os.stat(f"{_PROC}/self/ns/pid").st_ino
     except (OSError, ValueError):
         return 0
 
 
+def _boot() -> str:
+    """This host's boot: the first 16 hex digits of the kernel's random boot id ("0": unknown)."""
+    try:
+        with open(f"{_PROC}/sys/kernel/random/boot_id") as fh:
+            digits = fh.read().strip().replace("-", "")
+    except OSError:
+        return "0"
+    return digits[:16] if re.fullmatch(r"[0-9a-f]{32}", digits) else "0"
+
+
 def directory_name(token: str) -> str:
     """This serving process's directory name: who made it, so a later start can tell."""
-    return f"{PREFIX}{os.getpid()}-{_start_ticks(os.getpid()) or 0}-{_pid_namespace()}-{token}"
+    pid = os.getpid()
+    return f"{PREFIX}{pid}-{_start_ticks(pid) or 0}-{_pid_namespace()}-{_boot()}-{token}"
 
 
-def _gone(pid: int, start: int | None, procfs: bool) -> bool:
+def _gone(pid: int, start: int | None) -> bool:
     """True only where ``pid``'s process has surely exited, or the pid names another process."""
     try:
         os.kill(pid, 0)
@@ -81,7 +105,7 @@ def _gone(pid: int, start: int | None, procfs: bool) -> bool:
         pass  # exists: another user's process
     except (OSError, OverflowError):
         return False
-    fields = _stat_fields(pid) if procfs else None
+    fields = _stat_fields(pid)
     if not fields:
         return False  # cannot tell
     if fields[0] in ("Z", "X"):  # exited, not reaped yet
@@ -89,13 +113,13 @@ def _gone(pid: int, start: int | None, procfs: bool) -> bool:
     return start is not None and _start_ticks(pid) not in (None, start)
 
 
-def _only_gone_writers(path: str, procfs: bool) -> bool:
+def _only_gone_writers(path: str) -> bool:
     with os.scandir(path) as entries:
         for entry in entries:
             match = _WRITER_FILE.fullmatch(entry.name)
             if match is None or not entry.is_file(follow_symlinks=False):
                 return False  # not the plugin's file: someone else's directory, or in use
-            if not _gone(int(match.group(1)), None, procfs):
+            if not _gone(int(match.group(1)), None):
                 return False
     return True
 
@@ -115,32 +139,46 @@ def sweep(keep: Iterable[str | None] = (), directory: str | None = None) -> list
 
 
 def _sweep(keep: Iterable[str | None], directory: str) -> list[str]:
+    here = (_pid_namespace(), _boot())
+    if here[0] == 0 or here[1] == "0":
+        logger.debug(
+            "vllm-mamba-fix: old metrics directories not swept: this process cannot read its "
+            "own pid namespace and boot id (%s is another pid namespace's, or unreadable)",
+            _PROC,
+        )
+        return []
     kept = {os.path.realpath(path) for path in keep if path}
-    namespace = _pid_namespace()
-    procfs = namespace != 0  # /proc shows this pid namespace: start times can be read
-    removed = []
+    removed, unjudged = [], []
     with os.scandir(directory) as entries:
         candidates = [entry.path for entry in entries if entry.name.startswith(PREFIX)]
     for path in candidates:
         match = _NAME.fullmatch(os.path.basename(path))
-        if match is None or os.path.realpath(path) in kept:
+        if os.path.realpath(path) in kept:
             continue
-        pid, start, named_in = match.group(1, 2, 3)
-        if named_in is not None and int(named_in) != namespace:
-            continue  # another pid namespace's process: not ours to judge
+        if match is None or (int(match.group(3)), match.group(4)) != here:
+            # Another boot's or pid namespace's, or a name that proves neither: its pid is
+            # not a pid here (a live server of another container or host). An equal inode
+            # in this boot is this namespace, or one that ended with all its processes.
+            unjudged.append(os.path.basename(path))
+            continue
+        pid, start = int(match.group(1)), int(match.group(2))
         try:
-            if int(pid) == os.getpid() or not _is_ours(path):
+            if pid == os.getpid() or not _is_ours(path):
                 continue
-            started = int(start) if start else 0  # 0: unknown, or 0.4.0's name
-            if not _gone(int(pid), started or None, procfs):
-                continue
-            if not _only_gone_writers(path, procfs):
+            if not _gone(pid, start or None) or not _only_gone_writers(path):
                 continue
         except OSError:  # removed meanwhile by another starting server, or unreadable
             continue
         shutil.rmtree(path, ignore_errors=True)  # another server may sweep it at once
         if not os.path.lexists(path):
             removed.append(path)
+    if unjudged:
+        logger.debug(
+            "vllm-mamba-fix: %d metrics directories not judged (another host boot or pid "
+            "namespace, or an older name); remove them by hand once their servers are gone: %s",
+            len(unjudged),
+            ", ".join(sorted(unjudged)),
+        )
     if removed:
         logger.debug(
             "vllm-mamba-fix: removed %d metrics directories of exited processes: %s",
