@@ -90,6 +90,43 @@ def test_relative_links_resolve(path: Path) -> None:
     assert not broken, f"{path.name}: " + "; ".join(broken)
 
 
+# A path in backticks: the repo's own folders; a module in backticks: the package's.
+_REPO_PATH = re.compile(r"`((?:vllm_mamba_fix|tests|tools|benchmarks|examples|docs|\.ci)/[\w./-]+)`")
+_MODULE = re.compile(r"`(vllm_mamba_fix(?:\.\w+)+)")
+GENERATED = ("benchmarks/results/",)  # written by the benchmarks, ignored by git
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: p.name)
+def test_docs_cite_only_files_that_exist(path: Path) -> None:
+    missing = [
+        cited
+        for cited in (m.rstrip(".") for m in _REPO_PATH.findall(path.read_text()))
+        if not cited.startswith(GENERATED) and not (REPO / cited).exists()
+    ]
+    assert not missing, f"{path.name} cites files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: p.name)
+def test_docs_cite_only_modules_and_names_that_exist(path: Path) -> None:
+    """``vllm_mamba_fix.a.b.name``: the longest module prefix exists, and has the rest."""
+    import importlib
+
+    missing = []
+    for dotted in _MODULE.findall(path.read_text()):
+        parts = dotted.split(".")
+        for i in range(len(parts), 0, -1):
+            base = REPO.joinpath(*parts[:i])
+            if base.with_suffix(".py").exists() or (base / "__init__.py").exists():
+                break
+        target: object = importlib.import_module(".".join(parts[:i]))
+        for name in parts[i:]:
+            target = getattr(target, name, None)
+            if target is None:
+                missing.append(dotted)
+                break
+    assert not missing, f"{path.name} cites modules or names that do not exist: {missing}"
+
+
 def test_every_docs_page_says_whom_it_is_for() -> None:
     for path in DOC_FILES:
         if path == README:
