@@ -20,9 +20,9 @@ from vllm_mamba_fix.facts.targets import SPLIT_METHOD
 MIXED = PropScenario(
     block_size=64, budget=256, encoder_cache=4096, threshold=0,
     requests=(
-        PropRequest("text-a", 700, content="text-a", max_tokens=3),
-        PropRequest("image", 600, ((30, 100), (300, 100)), content="image", max_tokens=3),
-        PropRequest("text-b", 300, content="text-b", max_tokens=3),
+        PropRequest("text-a", 400, content="text-a", max_tokens=2),
+        PropRequest("image", 300, ((30, 100), (150, 100)), content="image", max_tokens=2),
+        PropRequest("text-b", 200, content="text-b", max_tokens=2),
     ),
 )  # fmt: skip
 
