@@ -91,7 +91,9 @@ def test_relative_links_resolve(path: Path) -> None:
 
 
 # A path in backticks: the repo's own folders; a module in backticks: the package's.
-_REPO_PATH = re.compile(r"`((?:vllm_mamba_fix|tests|tools|benchmarks|examples|docs|\.ci)/[\w./-]+)`")
+_REPO_PATH = re.compile(
+    r"`((?:vllm_mamba_fix|tests|tools|benchmarks|examples|docs|\.ci)/[\w./-]+)`"
+)
 _MODULE = re.compile(r"`(vllm_mamba_fix(?:\.\w+)+)")
 GENERATED = ("benchmarks/results/",)  # written by the benchmarks, ignored by git
 

@@ -830,6 +830,7 @@ PINNED_FIELDS = frozenset(
         "settings.env.VLLM_MAMBA_FIX_SCOPE",
         "settings.env.VLLM_MAMBA_FIX_STALL_SECONDS",
         "settings.mode",
+        "settings.other_env",
         "settings.problems",
         "settings.scope",
         "settings.stall_seconds",

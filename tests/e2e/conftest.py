@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import engine_demo
+from tools import engine_demo, json_logging
 from tools.engine_demo import REPO, Outcome, Phase
 
 pytestmark = pytest.mark.e2e
@@ -95,13 +95,27 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def offline_patched_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("offline-patched")
+
+
+@pytest.fixture(scope="session")
+def offline_json_log(offline_patched_dir: Path) -> Path:
+    """Where the patched run's JSON log goes (vLLM's --logging-config, tools/json_logging.py)."""
+    return offline_patched_dir / json_logging.JSON_LOG
+
+
+@pytest.fixture(scope="session")
 def offline_runs(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, offline_patched_dir: Path
 ) -> Iterator[dict[str, Future[Outcome]]]:
     """Start both offline runs at once: each is mostly single-threaded Python imports, so on
     2 cores running them side by side nearly halves the wall time."""
     stock_dir = tmp_path_factory.mktemp("offline-stock")
-    patched_dir = tmp_path_factory.mktemp("offline-patched")
+    patched_dir = offline_patched_dir
+    # The patched run logs under vLLM's logging config: its text lines as by default, and
+    # JSON lines to a file beside them (tests/e2e/test_offline.py reads the plugin's fields).
+    logging_config, _ = json_logging.write_config(patched_dir)
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {
             # The two-image request with the plugin disabled: expected to hang.
@@ -120,6 +134,7 @@ def offline_runs(
             #   hits over Mamba states), then [0,2] (a different second image);
             # * reference: budget 1024, so the encoder cache holds both images: no collapse;
             # * noprefix: prefix caching off.
+            # All under vLLM's logging config (text as by default, and JSON lines to a file).
             "patched": pool.submit(
                 engine_demo.run,
                 tiny_model_dir,
@@ -128,7 +143,7 @@ def offline_runs(
                     Phase("reference", engine={"max_num_batched_tokens": 1024}),
                     Phase("noprefix", engine={"enable_prefix_caching": False}),
                 ],
-                env={"VLLM_MAMBA_FIX": "auto"},
+                env={"VLLM_MAMBA_FIX": "auto", "VLLM_LOGGING_CONFIG_PATH": str(logging_config)},
                 stall_steps=STALL_STEPS,
                 stall_seconds=STALL_SECONDS,
                 timeout_s=540,

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
-from tools.engine_demo import Outcome
+from tools import json_logging
+from tools.engine_demo import PLUGIN_LINE, Outcome
 
 pytestmark = pytest.mark.e2e
 
 ACTIVE = re.compile(r"vllm-mamba-fix \S+ active: .*\bpid (\d+)\)")
+CORRECTION = re.compile(
+    r"vllm-mamba-fix: (?P<action>[a-z-]+) for request (?P<rid>\S+) at token (?P<start>\d+): "
+    r"scheduling (?P<tokens>\d+) tokens \(block size (?P<block>\d+)\); this process so far: "
+)
+F = "vllm_mamba_fix_"  # the prefix of the plugin's log fields
 
 
 def _explain(outcome: Outcome) -> str:
@@ -72,3 +79,31 @@ def test_different_image_changes_output(offline_patched: Outcome) -> None:
     other = offline_patched.result("patched", 2)
     assert other["images"] == [0, 2]
     assert other["token_ids"] != same["token_ids"]
+
+
+def test_log_records_carry_their_facts_as_json_fields(
+    offline_patched: Outcome, offline_json_log: Path
+) -> None:
+    """Under vLLM's logging config with a JSON formatter (examples/vllm_json_logging.json),
+    the plugin's records carry their facts as keys, and the text lines stay as they were."""
+    assert offline_patched.status == "completed", _explain(offline_patched)
+    ours = [r for r in json_logging.records(offline_json_log) if r.get("name") == "vllm.mamba_fix"]
+    # The same records, in vLLM's text format, in the same run's text log, word for word.
+    lines = offline_patched.log_text.splitlines()
+    texts = {m["msg"] for m in (PLUGIN_LINE.match(line.strip()) for line in lines) if m}
+    assert ours and {r["message"] for r in ours} <= texts
+    corrections = [r for r in ours if r.get(F + "event") == "correction"]
+    # A request's first correction is logged at info (the two-image request is corrected).
+    assert corrections, ours
+    for record in corrections:
+        text = CORRECTION.match(record["message"])
+        assert text is not None, record["message"]
+        facts = [record[F + k] for k in ("request_id", "action", "position", "tokens", "block")]
+        assert facts == [text["rid"], text["action"], int(text["start"]), int(text["tokens"]), 256]
+        assert int(text["block"]) == 256 and record[F + "rule"] == "split"
+    active = {r["process"]: r for r in ours if r.get(F + "event") == "active"}
+    assert set(offline_patched.engine_pids) <= set(active)
+    first = active[corrections[0]["process"]]
+    assert first[F + "scheduler_class"] == "vllm.v1.core.sched.scheduler.Scheduler"
+    assert {"split", "block-unit"} <= set(first[F + "rules"])
+    assert (first[F + "block"], first[F + "configured_block"]) == (256, 256)

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from vllm_mamba_fix._log import logger
+from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix.facts.config import Scope, builtin_in_scope
 
 ScopeHook = Callable[..., "bool | None"]
@@ -47,6 +47,7 @@ def load_third_party_hook() -> ScopeHook | None:
             "(%s: %s); using the built-in scope only",
             type(exc).__name__,
             exc,
+            extra=fields("setup", problem=f"{type(exc).__name__}: {exc}"),
         )
         return None
     return manager.hook.mamba_fix_in_scope if loaded else None
@@ -96,6 +97,9 @@ class ScopePolicy:
             type(exc).__name__,
             exc,
             self.scope.value,
+            extra=fields(
+                "fallback", problem=f"{type(exc).__name__}: {exc}", scope=self.scope.value
+            ),
         )
 
 

@@ -34,7 +34,14 @@ def build_parser(prog: str = "vllm-mamba-fix") -> argparse.ArgumentParser:
         description=(doctor.__doc__ or "").split("\n\n", 1)[-1].replace("``", "`"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    command.add_argument("--json", action="store_true", help="print one JSON object")
+    output = command.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+    output.add_argument(
+        "--report",
+        action="store_true",
+        help="print a Markdown block to paste into a bug report, next to vLLM's "
+        "`python -m vllm.collect_env` (same exit code)",
+    )
     command.add_argument(
         "--scheduler-cls",
         action="append",

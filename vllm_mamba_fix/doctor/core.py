@@ -57,7 +57,7 @@ from vllm_mamba_fix.doctor.plans import (
     no_record_evidence,
     views,
 )
-from vllm_mamba_fix.doctor.render import render_json, render_text
+from vllm_mamba_fix.doctor.render import render_output
 from vllm_mamba_fix.doctor.report import (
     EXIT_CANNOT_TELL,
     EXIT_INVALID_INPUT,
@@ -387,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CANNOT_TELL
     elapsed = time.perf_counter() - started
     report.data["elapsed_seconds"] = round(elapsed, 3)
-    text = render_json(report) if args.json else render_text(report, elapsed)
+    text = render_output(report, elapsed, args.json, args.report)
     try:
         print(text, flush=True)
     except BrokenPipeError:  # e.g. piped into `head`

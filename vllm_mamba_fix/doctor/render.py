@@ -1,10 +1,13 @@
-"""The report as text for people, or as one JSON object for scripts."""
+"""The report as text for people, as one JSON object for scripts, or as a block for a bug
+report (:mod:`vllm_mamba_fix.doctor.issue`)."""
 
 from __future__ import annotations
 
 import json
 
 from vllm_mamba_fix.decide.policy import Rule
+from vllm_mamba_fix.doctor.checks import machine
+from vllm_mamba_fix.doctor.issue import render_issue
 from vllm_mamba_fix.doctor.report import STATUS, Report
 
 _TAGS = {"ok": " ok ", "fail": "FAIL", "warn": "warn", "info": "    ", "skip": " -- "}
@@ -34,3 +37,10 @@ def render_text(report: Report, elapsed: float) -> str:
 
 def render_json(report: Report) -> str:
     return json.dumps(report.data, indent=2, default=str)
+
+
+def render_output(report: Report, elapsed: float, as_json: bool, as_issue: bool) -> str:
+    """What the command prints: ``--json``, ``--report``, or the text."""
+    if as_issue:
+        return render_issue(report.data, machine.collect())
+    return render_json(report) if as_json else render_text(report, elapsed)

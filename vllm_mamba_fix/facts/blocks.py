@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix._log import logger
+from vllm_mamba_fix._log import fields, logger
 
 # Set on each built scheduler: the unit (0 when unreadable).
 BLOCK_ATTR = "_vllm_mamba_fix_block_size"
@@ -194,7 +194,9 @@ def block_size_of(scheduler: Any) -> int:
         unit = unit_of_scheduler(scheduler)
         if unit.mamba is None and not unit.no_mamba:
             logger.warning(
-                "vllm-mamba-fix: the split rule stands down for this scheduler: %s", unit.problem
+                "vllm-mamba-fix: the split rule stands down for this scheduler: %s",
+                unit.problem,
+                extra=fields("stands-down", rule="split", problem=unit.problem),
             )
         set_block_unit(scheduler, unit)
         size = unit.size
@@ -217,18 +219,22 @@ def settle_split(
     unit = BlockUnit(size or None, configured if isinstance(configured, int) else None)
     view = None
     name = f"{type(scheduler).__module__}.{type(scheduler).__qualname__}"
+    sizes = {"scheduler_class": name, "block": unit.mamba, "configured_block": unit.configured}
     if unit.differs and not block_rule:
-        logger.warning("vllm-mamba-fix: %s", unit.mismatch_warning(switch))
+        extra = fields("block-mismatch", **sizes)
+        logger.warning("vllm-mamba-fix: %s", unit.mismatch_warning(switch), extra=extra)
     elif unit.differs and CACHE_CONFIG_ATTR not in vars(scheduler):
         logger.warning(
             "vllm-mamba-fix: the block-unit rule stands down for %s: its cache_config is not "
             "an instance attribute; %s",
             name,
             unit.mismatch_warning(switch),
+            extra=fields("stands-down", rule="block-unit", **sizes),
         )
     elif unit.differs:
         view = CacheConfigView(vars(scheduler)[CACHE_CONFIG_ATTR], size)
-        logger.info("vllm-mamba-fix: %s", unit.engaged_line(name))
+        extra = fields("block-engaged", rule="block-unit", **sizes)
+        logger.info("vllm-mamba-fix: %s", unit.engaged_line(name), extra=extra)
     longest = longest_chunk(scheduler)
     configured_size = unit.configured or 0
     # Every release: a split asked in a block no chunk reaches floors all but a prompt's last

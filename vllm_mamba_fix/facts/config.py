@@ -178,3 +178,14 @@ def vllm_plugins_allows(environ: Mapping[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     raw = env.get(ENV_VLLM_PLUGINS)
     return raw is None or PLUGIN_NAME in raw.split(",")
+
+
+def other_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Set ``VLLM_MAMBA_FIX*`` variables the plugin does not read (a misspelt setting is
+    unset to the plugin), for doctor to flag."""
+    env = os.environ if environ is None else environ
+    return {
+        name: value
+        for name, value in sorted(env.items())
+        if name.startswith(ENV_MODE) and name not in ALL_VARIABLES
+    }

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_mamba_fix._log import logger
+from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.decide.policy import Facts, Plan, Preflight, Rule, preflight
 from vllm_mamba_fix.decide.scope import ScopePolicy
@@ -28,7 +28,6 @@ from vllm_mamba_fix.facts.blocks import BlockUnit, set_block_unit, unit_of_sched
 from vllm_mamba_fix.facts.config import Settings, load_settings
 from vllm_mamba_fix.facts.evidence import Evidence, read_evidence
 from vllm_mamba_fix.facts.targets import (
-    FREE_REQUEST_METHOD,
     INIT_METHOD,
     SCHEDULER_CLASS,
     SPLIT_METHOD,
@@ -49,6 +48,7 @@ _said: set[str] = set()  # lines logged once per process
 # base may change what they resolve to.
 _settled: dict[str, type] = {}
 _lines_logged: set[str] = set()  # classes whose active line was logged
+_SETUP = fields("setup")  # the log fields of a line with no facts but its event
 
 PREFLIGHT_LOG_LEVEL = {
     Preflight.DISABLED: logging.INFO,
@@ -73,10 +73,10 @@ class _Installed:
 _installed: _Installed | None = None
 
 
-def _say_once(level: int, message: str) -> None:
+def _say_once(level: int, message: str, event: str = "setup", **facts: Any) -> None:
     if message not in _said:
         _said.add(message)
-        logger.log(level, "vllm-mamba-fix: %s", message)
+        logger.log(level, "vllm-mamba-fix: %s", message, extra=fields(event, **facts))
 
 
 def _vllm_version() -> str | None:
@@ -167,7 +167,7 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
             if _installed is not None or any(
                 patch.is_wrapped(base, name) for name in rules.ALL_WRAPPED
             ):
-                logger.debug("vllm-mamba-fix: already active in this process")
+                logger.debug("vllm-mamba-fix: already active in this process", extra=_SETUP)
                 return
             scope = ScopePolicy(settings.scope)
             scope.load()  # here, not in the first scheduling step that needs it
@@ -178,14 +178,11 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
             for name, problem in problems.items():
                 if rules.NEEDS.get(name) in problems:
                     continue  # the line of the method it acts through names its rules
-                # Without _free_request only the streak cap bounds per-request state; an
-                # encoder check that carries only the split rule's ear leaves that rule
-                # blind to encoder cuts, and a class without that method makes none.
-                quiet = name == FREE_REQUEST_METHOD or (
-                    name in rules.RULE_METHODS and not rules.rules_through(name, decided.rules)
-                )
+                # No rule lost: _free_request (the streak cap bounds state), or an encoder
+                # check only the split rule's ear needs (a class without one cuts nothing).
+                quiet = name != INIT_METHOD and not rules.rules_through(name, decided.rules)
                 level = logging.DEBUG if quiet else logging.WARNING
-                _say_once(level, _install_problem_line(name, problem, decided))
+                _say_once(level, _install_problem_line(name, problem, decided), method=name)
             _installed = installed
             # The base's record, kept even where nothing was installed (doctor reads it).
             check_class(base, log=False)
@@ -197,6 +194,7 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                 __version__,
                 base.__qualname__,
                 ", ".join(wrapped),
+                extra=fields("setup", version=__version__, wraps=list(wrapped)),
             )
             if INIT_METHOD not in wrapped:
                 _log_record(record.recorded(class_name(base)), installed)  # type: ignore[arg-type]
@@ -311,7 +309,8 @@ def _refresh_others(settled: type, installed: _Installed) -> None:
         record.remember(changed)
         if name in _lines_logged:
             moved = "; ".join(m.describe() for m in methods if m not in found.methods)
-            logger.info("vllm-mamba-fix: %s now resolves %s", name, moved)
+            extra = fields("setup", scheduler_class=name)
+            logger.info("vllm-mamba-fix: %s now resolves %s", name, moved, extra=extra)
 
 
 _REDESCRIBED = (MethodState.STOCK, MethodState.WRAPPED)
@@ -331,33 +330,40 @@ def _carries_text(result: ClassRecord) -> str:
 
 
 def _log_record(result: ClassRecord, installed: _Installed) -> None:
-    base = class_name(installed.base)
+    base, cls = class_name(installed.base), result.scheduler_class
     for method in result.methods:
         if method.owner == base and method.name in installed.unpatchable_on_base:
             continue
         if method.state in (MethodState.OVERRIDDEN, MethodState.UNPATCHABLE):
-            _say_once(
-                logging.WARNING,
-                f"{result.scheduler_class}: {method.describe()}; the fix does not reach it",
-            )
+            text = f"{cls}: {method.describe()}; the fix does not reach it"
+            _say_once(logging.WARNING, text, "not-reached", scheduler_class=cls, method=method.name)
         elif method.state is MethodState.WRAPPED_REPLACEMENT:
-            _say_once(logging.WARNING, f"{result.scheduler_class}: {method.describe()}")
+            text = f"{cls}: {method.describe()}"
+            _say_once(logging.WARNING, text, scheduler_class=cls, method=method.name)
     unit = result.block
     runs_split = bool(result.rules & rules.SPLIT_RULES)
     if unit is not None and unit.mamba is None and not unit.no_mamba and runs_split:
-        _say_once(
-            logging.WARNING,
-            f"the split rules stand down for {result.scheduler_class}: {unit.problem}",
-        )
+        text = f"the split rules stand down for {cls}: {unit.problem}"
+        _say_once(logging.WARNING, text, "stands-down", scheduler_class=cls, problem=unit.problem)
     idle = f"; split rules idle: {result.split_idle}" if result.split_idle else ""
     if not result.rules:
         _say_once(
             logging.INFO,
-            f"not needed for {result.scheduler_class} on vLLM {installed.version}: "
+            f"not needed for {cls} on vLLM {installed.version}: "
             f"{result.plan.describe()}{idle}; leaving it stock",
-        )
+            "not-needed", scheduler_class=cls, vllm_version=installed.version,
+        )  # fmt: skip
         return
     wrapped = [m for m in result.methods if m.state.carries_rules and m.rules & result.rules]
+    wraps = [m.wraps or m.name for m in wrapped]
+    extra = fields(
+        "active", version=__version__, scheduler_class=cls,
+        rules=[r.value for r in Rule if r in result.rules], wraps=wraps,
+        block=None if unit is None else unit.mamba,
+        configured_block=None if unit is None else unit.configured,
+        vllm_version=installed.version, family=installed.family.name,
+        scope=installed.settings.scope.value,
+    )  # fmt: skip
     logger.info(
         "vllm-mamba-fix %s active: %s carries %s; block size %s%s; wraps %s "
         "(vLLM %s, family %s, scope %s, pid %d)",
@@ -366,11 +372,12 @@ def _log_record(result: ClassRecord, installed: _Installed) -> None:
         _carries_text(result),
         "unknown (dry run)" if unit is None else unit.describe(),
         idle,
-        ", ".join(m.wraps or m.name for m in wrapped),
+        ", ".join(wraps),
         installed.version,
         installed.family.name,
         installed.settings.scope.value,
         os.getpid(),
+        extra=extra,
     )
 
 
@@ -387,5 +394,5 @@ def unregister() -> bool:
         _lines_logged.clear()
         _said.clear()
     if undone:
-        logger.info("vllm-mamba-fix: removed; vLLM's scheduler is stock again")
+        logger.info("vllm-mamba-fix: removed; vLLM's scheduler is stock again", extra=_SETUP)
     return undone

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_mamba_fix._log import logger
+from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix.facts.targets import MARKER
 from vllm_mamba_fix.install.import_hook import PostImportHook
 from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX
@@ -267,7 +267,7 @@ _said: set[str] = set()
 def _say_once(level: int, message: str) -> None:
     if message not in _said:
         _said.add(message)
-        logger.log(level, "vllm-mamba-fix: %s", message)
+        logger.log(level, "vllm-mamba-fix: %s", message, extra=fields("setup"))
 
 
 def _decide(module: ModuleType, target: Target) -> tuple[type, Any, Shape, Any] | str | None:

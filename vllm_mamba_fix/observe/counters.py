@@ -5,13 +5,15 @@ Log lines carry request ids and token counts only, never prompt content.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import OrderedDict
 from typing import Protocol
 
-from vllm_mamba_fix._log import logger
+from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix.decide.decision import Action
+from vllm_mamba_fix.decide.plan import Rule
 
 
 class Sink(Protocol):
@@ -41,6 +43,14 @@ ACTION_KEYS: dict[Action, str] = {
     Action.STOPPED_AT_ENCODER_INPUT: "chunks_stopped_at_encoder_input",
     Action.SPECULATIVE_STALL_RELEASED: "speculative_stalls_released",
     Action.BLOCK_ALIGNED: "block_rule_chunks",
+}
+# The rule whose correction each action is (a log field).
+ACTION_RULES: dict[Action, str] = {
+    Action.COLLAPSE_PREVENTED: Rule.SPLIT.value,
+    Action.REALIGNED: Rule.SPLIT.value,
+    Action.STOPPED_AT_ENCODER_INPUT: Rule.SPLIT.value,
+    Action.SPECULATIVE_STALL_RELEASED: Rule.SPECULATIVE_STALL.value,
+    Action.BLOCK_ALIGNED: Rule.BLOCK_UNIT.value,
 }
 STALL_KEYS = ("stalls_detected", "stalls_resolved", "stalls_ended")
 KEYS: tuple[str, ...] = (*ACTION_KEYS.values(), *STALL_KEYS)
@@ -88,16 +98,21 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
             totals = dict(_counts)
     if metrics is not None:
         metrics.count(key)
+    # The fields are built only for a record that is emitted: most corrections log nothing.
+    level = logging.INFO if totals is not None else logging.DEBUG
+    if not logger.isEnabledFor(level):
+        return
     line = "vllm-mamba-fix: %s for request %s at token %d: scheduling %d tokens (block size %d)"
+    args: tuple[object, ...] = (action.value, request_id, start, num_tokens, block_size)
     if totals is not None:
         # The running totals ride on the line logged once per request: the shutdown summary
         # is lost where the engine core is killed (vllm serve's default --shutdown-timeout 0).
-        logger.info(
-            line + "; %s", action.value, request_id, start, num_tokens, block_size,
-            totals_text(totals),
-        )  # fmt: skip
-    else:
-        logger.debug(line, action.value, request_id, start, num_tokens, block_size)
+        line, args = line + "; %s", (*args, totals_text(totals))
+    extra = fields(
+        "correction", request_id=request_id, rule=ACTION_RULES[action], action=action.value,
+        position=start, tokens=num_tokens, block=block_size,
+    )  # fmt: skip
+    logger.log(level, line, *args, extra=extra)
 
 
 def totals_text(counts: dict[str, int]) -> str:
@@ -135,6 +150,7 @@ def log_summary() -> None:
             counts["stalls_detected"],
             counts["stalls_resolved"],
             counts["stalls_ended"],
+            extra=fields("summary", counts=counts),
         )
 
 

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba_fix._log import failure_reporter, logger
+from vllm_mamba_fix._log import fields as log_fields
 from vllm_mamba_fix.facts.targets import MARKER
 from vllm_mamba_fix.observe import counters
 from vllm_mamba_fix.rules.end_order import ORDERS_ATTR, EndOrder
@@ -124,7 +125,9 @@ def _end(scheduler: Any, order: EndOrder, scheduled: Any) -> tuple[int, Any] | N
     record_ended = getattr(counters, "record_stall_ended", None)
     if record_ended is not None:
         record_ended()
-    logger.warning("vllm-mamba-fix: %s", order.log_line)
+    cause = order.streak.cause.value if order.streak.cause else None
+    extra = log_fields("stall-ended", request_id=rid, position=order.position, cause=cause)
+    logger.warning("vllm-mamba-fix: %s", order.log_line, extra=extra)
     return request.client_index, EngineCoreOutput(**fields)
 
 

@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 from typing import Any
 
-from vllm_mamba_fix._log import logger
+from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix.decide import stalls
 from vllm_mamba_fix.decide.stalls import (
     CAUSE_TEXT,
@@ -149,7 +149,12 @@ def name_stall(
                 f"({ENV_END_STALLS_AFTER}=off keeps it)"
             )
     report = dataclasses.replace(report, cause=cause, end_note=note)
-    logger.warning("vllm-mamba-fix: %s", report.message())
+    extra = fields(
+        "stall-named", request_id=report.request_id, position=report.position,
+        prompt_tokens=report.prompt_tokens, cause=cause.value, seconds=round(report.seconds, 3),
+        steps=report.steps,
+    )  # fmt: skip
+    logger.warning("vllm-mamba-fix: %s", report.message(), extra=extra)
 
 
 def consider(
@@ -219,7 +224,10 @@ def on_moved(store: ZeroStreaks, request_id: str) -> None:
 def log_moving_again(request_id: str, position: int) -> None:
     counters.record_stall(resolved=True)
     logger.info(
-        "vllm-mamba-fix: request %s moves again (was stalled at token %d)", request_id, position
+        "vllm-mamba-fix: request %s moves again (was stalled at token %d)",
+        request_id,
+        position,
+        extra=fields("stall-moved", request_id=request_id, position=position),
     )
 
 

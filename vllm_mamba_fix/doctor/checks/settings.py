@@ -43,6 +43,7 @@ def check_settings(report: Report, settings: Settings) -> None:
         "end_stalls_after": settings.end_stalls_after,
         "switches": switched,
         "env": env,
+        "other_env": config.other_variables(),
         "problems": list(settings.problems),
     }
     text = (

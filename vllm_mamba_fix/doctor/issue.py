@@ -1,0 +1,221 @@
+"""``doctor --report``: the report as one fenced Markdown block to paste into a bug report,
+next to vLLM's ``python -m vllm.collect_env``.
+
+A pure function of doctor's JSON body (``Report.data``) and the machine's facts
+(:mod:`vllm_mamba_fix.doctor.checks.machine`): what ``collect_env`` does not show, the
+plugin, the rules that will run and why, the block sizes, every ``VLLM_MAMBA_FIX*`` setting,
+``VLLM_PLUGINS`` and the scheduler classes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_mamba_fix.doctor.report import STATUS
+from vllm_mamba_fix.facts.config import (
+    ENV_END_STALLS_AFTER,
+    ENV_MODE,
+    ENV_SCOPE,
+    ENV_STALL_SECONDS,
+    ENV_VLLM_PLUGINS,
+    PLUGIN_NAME,
+)
+
+TITLE = "vllm-mamba-fix doctor --report"
+UNKNOWN_BLOCKS = (
+    "unknown until the engine starts: each engine core's active line names the Mamba KV "
+    "cache's block (block size ...), and where it differs from cache_config.block_size the "
+    "block-unit line names both"
+)
+_WIDTH = 17  # the label column
+
+
+def _row(label: str, text: str) -> str:
+    return f"{label:<{_WIDTH}} {text}".rstrip()
+
+
+def _watchdog(seconds: float | None) -> str:
+    return "stall watchdog off" if seconds is None else f"stall watchdog after {seconds:g} s"
+
+
+def _stall_end(seconds: float | None) -> str:
+    if seconds is None:
+        return "named stalls are never ended"
+    return f"a named stall no rule can end is ended {seconds:g} s after it is named"
+
+
+def _plugin_rows(data: Mapping[str, Any]) -> list[str]:
+    tool = data.get("tool", {})
+    ep = data.get("entry_point", {})
+    if ep.get("found"):
+        dist = f"{ep.get('distribution')} {ep.get('distribution_version')}"
+        where = f"entry point {ep.get('name')} -> {ep.get('value')} ({dist})"
+    else:
+        where = f"entry point NOT usable: {ep.get('error', 'not checked')}"
+    status = data.get("status", "unknown")
+    code, headline = STATUS.get(status, (data.get("exit_code"), status))
+    return [
+        _row("vllm-mamba-fix", f"{tool.get('version')} at {tool.get('package_path')}; {where}"),
+        _row("doctor", f"{headline} (exit {code}): {data.get('summary', '')}"),
+    ]
+
+
+def _versions_rows(data: Mapping[str, Any], machine: Mapping[str, Any]) -> list[str]:
+    vllm = data.get("vllm", {})
+    if vllm.get("importable"):
+        dist = vllm.get("distribution") or {}
+        built = f" ({dist['name']} {dist['version']})" if dist else ""
+        family = (data.get("family") or {}).get("name")
+        text = f"{vllm.get('version')}{built}, family {family}, at {vllm.get('path')}"
+    else:
+        text = f"not importable ({vllm.get('error', 'unknown')})"
+    torch = machine.get("torch", {})
+    if isinstance(torch, Mapping):
+        build = ", ".join(f"{k.upper()} {torch[k]}" for k in ("cuda", "hip") if torch.get(k))
+        if "gpu_available" in torch:
+            build += f", GPU available: {torch['gpu_available']}"
+        if not torch.get("imported"):
+            build = "not imported by vLLM; version of the installed distribution"
+        torch_text = f"{torch.get('version') or 'not installed'} ({build or 'CPU build'})"
+    else:
+        torch_text = str(torch)
+    return [
+        _row("vLLM", text),
+        _row("vLLM platform", str(machine.get("vllm_platform") or "not resolved by vLLM yet")),
+        _row("torch", torch_text),
+        _row("python", f"{machine.get('python')} ({machine.get('executable')})"),
+        _row("OS", str(machine.get("os"))),
+        _row("CPU", str(machine.get("cpu"))),
+        _row("GPU", str(machine.get("gpu"))),
+    ]
+
+
+def _delivered(data: Mapping[str, Any]) -> bool:
+    """vLLM will load the plugin: the entry point is found and ``VLLM_PLUGINS`` allows it."""
+    return bool(data.get("entry_point", {}).get("found")) and bool(
+        data.get("vllm_plugins", {}).get("allows")
+    )
+
+
+def _rule_rows(data: Mapping[str, Any]) -> list[str]:
+    entries = data.get("rules")
+    if not entries:
+        return [_row("rules", "not checked (vLLM is not importable)")]
+    delivered = _delivered(data)
+    rows = [_row("rules", "what will run in the engine core, and why")]
+    width = max(len(e["rule"]) for e in entries)
+    for entry in entries:
+        runs = entry["active"] and entry.get("installs") and delivered
+        why = f"by {entry['decided_by']}: {entry['reason']}"
+        if entry.get("needed"):
+            why = f"needed; {why}"
+        if entry["active"] and not delivered:
+            why = f"vLLM will not load the plugin; {why}"
+        if entry.get("problem"):
+            why = f"{why}; {entry['problem']}"
+        state = "runs" if runs else "does not run"
+        rows.append(f"  {entry['rule']:<{width}}  {state:<12} {why}")
+    speculative = data.get("speculative", {})
+    if speculative.get("visible"):
+        eagle = "EAGLE-type" if speculative.get("eagle_type") else "not EAGLE-type"
+        rows.append(_row("speculative", f"{speculative.get('resolved_method')}: {eagle}"))
+    elif speculative:
+        rows.append(_row("speculative", "set by the engine at start (not given to doctor)"))
+    return rows
+
+
+def _block_rows(data: Mapping[str, Any]) -> list[str]:
+    entry = next((e for e in data.get("rules") or () if e["rule"] == "block-unit"), {})
+    facts = entry.get("block_facts") or []
+    if not facts:
+        text = UNKNOWN_BLOCKS
+        if entry.get("foreseen"):
+            text = f"{text}; {entry['foreseen']}"
+        return [_row("block sizes", text)]
+    rows = [_row("block sizes", "of the schedulers built in this process")]
+    for fact in facts:
+        state = "differ" if fact.get("differs") else "equal"
+        if fact.get("split_idle"):
+            state = f"split idle: {fact['split_idle']}"
+        elif fact.get("differs"):
+            state += ", block-unit " + ("engaged" if fact.get("engaged") else "NOT engaged")
+        rows.append(
+            f"  {fact['class']}: Mamba KV cache {fact.get('block_size')}, "
+            f"cache_config.block_size {fact.get('cache_config_block_size')} ({state})"
+        )
+    return rows
+
+
+def _scheduler_rows(data: Mapping[str, Any]) -> list[str]:
+    rows = [_row("scheduler classes", "checked (vLLM builds one; --scheduler-cls adds yours)")]
+    verb = "runs"
+    if data.get("dry_run", {}).get("forced"):  # the plugin is off: the dry run forced it on
+        verb = "would run if enabled:"
+    elif not _delivered(data):
+        verb = "would run if vLLM loaded the plugin:"
+    for entry in data.get("schedulers") or ():
+        record = entry.get("record") or {}
+        runs = ", ".join(record.get("rules") or []) or "no rule"
+        text = f"  {entry['class']} ({entry.get('role')}): {verb} {runs}"
+        if not entry.get("loaded", True):
+            text = f"  {entry['class']} ({entry.get('role')}): cannot be loaded"
+        rows.append(text + "".join(f"; {p}" for p in entry.get("problems") or []))
+    return rows
+
+
+def _effective(name: str, settings: Mapping[str, Any]) -> str:
+    switch = settings.get("switches", {}).get(name)
+    if switch is not None:
+        return f"{'on' if switch['on'] else 'off'} ({switch['rule']} rule)"
+    return {
+        ENV_MODE: str(settings.get("mode")),
+        ENV_SCOPE: str(settings.get("scope")),
+        ENV_STALL_SECONDS: _watchdog(settings.get("stall_seconds")),
+        ENV_END_STALLS_AFTER: _stall_end(settings.get("end_stalls_after")),
+    }.get(name, "?")
+
+
+def _settings_rows(data: Mapping[str, Any]) -> list[str]:
+    settings = data.get("settings", {})
+    env: Mapping[str, str | None] = settings.get("env", {})
+    problems: list[str] = settings.get("problems", [])
+    other: Mapping[str, str] = settings.get("other_env", {})
+    width = max([len(name) for name in (*env, *other)] or [0])
+    rows = [_row("settings", "every VLLM_MAMBA_FIX* variable: its value -> what applies")]
+    for name, raw in env.items():
+        shown = "unset" if raw is None else repr(raw)
+        bad = [p for p in problems if p.startswith(f"{name}=")]
+        flag = f"  INVALID: {bad[0]}" if bad else ""
+        rows.append(f"  {name:<{width}}  {shown} -> {_effective(name, settings)}{flag}")
+    for name, raw in other.items():
+        rows.append(f"  {name:<{width}}  {raw!r} -> UNKNOWN: the plugin reads no such variable")
+    plugins = data.get("vllm_plugins", {})
+    if "value" in plugins:
+        value = plugins["value"]
+        allows = "loads" if plugins.get("allows") else "does NOT load"
+        shown = "unset" if value is None else repr(value)
+        rows.append(_row(ENV_VLLM_PLUGINS, f"{shown}: vLLM {allows} {PLUGIN_NAME!r}"))
+    return rows
+
+
+def _fence(text: str) -> str:
+    """A fence longer than any run of backticks in ``text``."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def render_issue(data: Mapping[str, Any], machine: Mapping[str, Any]) -> str:
+    body: list[str] = [*_plugin_rows(data), *_versions_rows(data, machine), ""]
+    body += [*_rule_rows(data), *_block_rows(data), "", *_scheduler_rows(data), ""]
+    body += _settings_rows(data)
+    for heading, items in (("problems", data.get("problems")), ("warnings", data.get("warnings"))):
+        if items:
+            body += ["", heading, *(f"  - {item}" for item in items)]
+    text = "\n".join(body)
+    fence = _fence(text)
+    return (
+        f"**{TITLE}** (paste it next to the output of `python -m vllm.collect_env`)\n\n"
+        f"{fence}text\n{text}\n{fence}"
+    )
