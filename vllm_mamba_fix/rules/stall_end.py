@@ -123,7 +123,7 @@ def _end(scheduler: Any, order: EndOrder, scheduled: Any) -> tuple[int, Any] | N
     order.store.clear(rid)
     record_ended = getattr(counters, "record_stall_ended", None)
     if record_ended is not None:
-        record_ended()
+        record_ended(rid)
     logger.warning("vllm-mamba-fix: %s", order.log_line)
     return request.client_index, EngineCoreOutput(**fields)
 
