@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.stall_end_helpers import Clock, install_clock, update_wrapped
+from tests.scheduler.test_stall_end import _watchdog_seconds
+from tests.stall_end_helpers import Clock, install_clock, stall_end_installed, update_wrapped
 from tools import sched_harness as harness
 from tools.release_facts import facts_for
 from tools.scenarios import ISSUE_CONFIG, image_request, text_request
@@ -59,6 +60,10 @@ def _setup(
     )
     if not harness.split_is_wrapped():
         pytest.skip("the split is not wrapped with its rule off: no split 0 reaches the watchdog")
+    if _watchdog_seconds() is None:
+        pytest.skip("the plugin runs no watchdog with the split rule off on this release")
+    if end != "off" and not stall_end_installed():
+        pytest.skip("the plugin installs no stall end with the split rule off on this release")
     counters.reset()
     return clock
 
