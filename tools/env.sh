@@ -13,8 +13,39 @@ stamp="$vllm_pin $({
   grep '^__version__' "$root/vllm_mamba_fix/_version.py"
 } | sha256sum | cut -c1-16)"
 
+# promtool, Prometheus's own, from Debian's prometheus package, for the alert-rule tests
+# (tests/test_observability_examples.py): the package is downloaded and only promtool (a static
+# binary) is unpacked into the venv, so no Prometheus service is installed or started. Needs
+# apt (and root where its package lists must be fetched first); elsewhere those tests skip
+# with the reason (and fail under CI=true).
+ensure_promtool() {
+  if command -v promtool >/dev/null 2>&1 || [[ -x $venv/bin/promtool ]]; then
+    return 0
+  fi
+  if ! command -v apt-get >/dev/null 2>&1 || ! command -v dpkg-deb >/dev/null 2>&1; then
+    echo "env: no apt-get/dpkg-deb: promtool not installed, the alert-rule tests skip" >&2
+    return 0
+  fi
+  local tmp
+  tmp=$(mktemp -d)
+  if (cd "$tmp" && {
+    apt-get download prometheus >/dev/null 2>&1 || {
+      [[ $(id -u) == 0 ]] && apt-get update -qq >/dev/null 2>&1 &&
+        apt-get download prometheus >/dev/null 2>&1
+    }
+  }) && dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/unpacked" &&
+    install -m 0755 "$tmp/unpacked/usr/bin/promtool" "$venv/bin/promtool"; then
+    echo "env: $("$venv/bin/promtool" --version 2>&1 | head -1) (Debian's prometheus package)" >&2
+  else
+    echo "env: promtool not installed (apt-get download prometheus failed; as root it runs" \
+      "apt-get update first): the alert-rule tests skip" >&2
+  fi
+  rm -rf "$tmp"
+}
+
 if [[ -f $stamp_file && $(cat "$stamp_file") == "$stamp" ]]; then
   echo "env: reusing $venv ($vllm_pin)" >&2
+  ensure_promtool
   echo "$venv"
   exit 0
 fi
@@ -54,5 +85,6 @@ except importlib.metadata.PackageNotFoundError:
 PY
 "$venv/bin/python" -c "import vllm, vllm_mamba_fix; print('env: vLLM', vllm.__version__)" \
   2>/dev/null | tail -1 >&2
+ensure_promtool
 echo "$stamp" >"$stamp_file"
 echo "$venv"

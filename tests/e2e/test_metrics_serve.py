@@ -12,8 +12,12 @@ appear at the API server's ``/metrics`` with no other server or port:
 - named and ended: one more server, with the split rule off (``VLLM_MAMBA_FIX_SPLIT_RULE=0``,
   which leaves vLLM's split stock while the watchdog runs) and the watchdog at 3 s: the
   request stalls, the watchdog's WARNING line appears and ``stalls_named`` rose by one
-  scraped after it; then the stall-ending rule (5 s) finishes the request and
-  ``stalls_ended`` rose by one.
+  scraped after it, and the live gauge shows one stall standing since before the naming;
+  then the stall-ending rule (5 s) finishes the request, ``stalls_ended`` rose by one and
+  the live gauge is back at 0.
+
+Every series carries vLLM's labels of the one engine core (``model_name="tiny"``,
+``engine="0"``); test_dp.py checks two engine cores.
 
 Engine starts: 2 (about 30-90 s each).
 """
@@ -41,6 +45,8 @@ from tests.e2e.serve_helpers import (
 from tests.e2e.test_serve import StreamingRequest
 from vllm_mamba_fix.decide.decision import Action
 from vllm_mamba_fix.observe import counters, metrics
+from vllm_mamba_fix.observe.metrics_store import GAUGE_FILE_PREFIX
+from vllm_mamba_fix.observe.series import GAUGES, INFO, OLDEST_STALL, STALLED
 
 pytestmark = pytest.mark.e2e
 
@@ -61,9 +67,16 @@ STALL_ENDED = re.compile(r"WARNING .*vllm-mamba-fix: ended request \S+")
 REQUEST_DEADLINE_S = 180.0
 
 
+ENGINE = {"engine": "0", "model_name": "tiny"}  # vLLM's labels of the one engine core
+
+
 def _series(key: str) -> str:
     series = metrics.SERIES[key]
-    return sample_key(series.sample, dict(series.labels))
+    return sample_key(series.sample, {**dict(series.labels), **ENGINE})
+
+
+def _gauge(series: metrics.Series) -> str:
+    return sample_key(series.sample, ENGINE)
 
 
 def _engine_lines(log: str) -> list[str]:
@@ -86,7 +99,8 @@ def _delta(before: dict[str, float], after: dict[str, float], key: str) -> float
 
 def _all_series_present(scraped: dict[str, float]) -> None:
     # metrics.prepare() ran in the engine core: every series exists before any count.
-    missing = sorted({_series(key) for key in metrics.SERIES} - set(scraped))
+    gauges = {_gauge(s) for s in GAUGES if s is not INFO}
+    missing = sorted(({_series(key) for key in metrics.SERIES} | gauges) - set(scraped))
     assert not missing, (
         f"not at /metrics: {missing}; scraped {sorted(scraped)} (the API server reads them only "
         "where register() calls metrics.attach(), the engine core creates them in prepare())"
@@ -143,7 +157,11 @@ def test_metrics_count_corrections(tiny_model_dir: Path, tmp_path: Path, stock_h
         # The API server's start swept the killed one's directory; its own is in use.
         assert not leftover.exists()
         own = list(tmp.glob("vllm-mamba-fix-metrics-*"))
-        assert len(own) == 1 and len(list(own[0].iterdir())) == 1, own
+        assert len(own) == 1, own
+        # The engine core's counter and gauge files (metrics_store.py), nothing else.
+        files = sorted(f.name for f in own[0].iterdir())
+        pid = files[0].rsplit("-", 1)[-1]
+        assert files == [f"{metrics.FILE_PREFIX}{pid}", f"{GAUGE_FILE_PREFIX}{pid}"], files
         request = StreamingRequest(server.base_url)
         request.start()
         request.join(timeout=REQUEST_DEADLINE_S)
@@ -169,6 +187,8 @@ class StallRun:
 
     before: dict[str, float]
     named: dict[str, float]  # scraped once the watchdog's line is in the log
+    sent_at: float  # wall-clock time the request was sent
+    named_seen_at: float  # wall-clock time the scrape after the naming began
     lines: list[str]  # the engine core's lines at the end
     request: StreamingRequest
     ended: dict[str, float] | None = None  # scraped after the client's finish
@@ -201,10 +221,11 @@ def stall_run(
         before = scrape_metrics(server.base_url)
         _all_series_present(before)
         request = StreamingRequest(server.base_url)
-        start = time.monotonic()
+        start, sent_at = time.monotonic(), time.time()
         request.start()
         _wait_named(server, start + REQUEST_DEADLINE_S)
-        run = StallRun(before, scrape_metrics(server.base_url), [], request)
+        seen_at = time.time()
+        run = StallRun(before, scrape_metrics(server.base_url), sent_at, seen_at, [], request)
         request.join(timeout=max(0.0, start + REQUEST_DEADLINE_S - time.monotonic()))
         run.elapsed_s = time.monotonic() - start
         if not request.is_alive():  # counted in the engine core before the finish left it
@@ -226,6 +247,20 @@ def test_metrics_count_named_stalls(stall_run: StallRun) -> None:
     assert stall_run.health == 200
 
 
+def test_the_live_stall_gauge_rises_while_a_stall_stands(stall_run: StallRun) -> None:
+    assert stall_run.before[_gauge(STALLED)] == 0 and stall_run.before[_gauge(OLDEST_STALL)] == 0
+    assert stall_run.named[_gauge(STALLED)] == 1, stall_run.named
+    # Its start: after the request was sent, and at least the watchdog's 3 s before the naming.
+    started = stall_run.named[_gauge(OLDEST_STALL)]
+    assert stall_run.sent_at <= started <= stall_run.named_seen_at - 3, (stall_run, started)
+    info = [k for k, v in stall_run.named.items() if k.startswith(INFO.sample + "{")]
+    assert len(info) == 1 and stall_run.named[info[0]] == 1, info
+    assert 'engine="0"' in info[0] and 'model_name="tiny"' in info[0], info
+    assert 'stall_seconds="3"' in info[0] and 'end_stalls_after="5"' in info[0], info
+    rules = info[0].split('rules="')[1].split('"')[0].split(",")
+    assert "stall-watchdog" in rules and "split" not in rules, info  # the split rule is off
+
+
 def test_metrics_count_ended_stalls(stall_run: StallRun) -> None:
     request = stall_run.request
     assert stall_run.ended is not None, (
@@ -235,6 +270,8 @@ def test_metrics_count_ended_stalls(stall_run: StallRun) -> None:
     ended_lines = [line for line in stall_run.lines if STALL_ENDED.search(line)]
     assert len(ended_lines) == 1, "\n".join(stall_run.lines[-20:])
     assert _delta(stall_run.before, stall_run.ended, "stalls_ended") == 1, stall_run.ended
+    # Ended: no stall stands any more (the gauge fell back).
+    assert stall_run.ended[_gauge(STALLED)] == 0 and stall_run.ended[_gauge(OLDEST_STALL)] == 0
     # Finished before its prefill did: no token, not a full-length completion. The stream
     # ends with vLLM's error event carrying the cause, which the openai client raises
     # (test_stall_end_serve.py checks what the client reads in full).

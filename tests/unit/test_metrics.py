@@ -19,7 +19,10 @@ from typing import Any
 
 import pytest
 
+from vllm_mamba_fix._version import __version__ as vllm_mamba_fix_version
 from vllm_mamba_fix.observe import counters, metrics
+from vllm_mamba_fix.observe.metrics_store import GAUGE_FILE_PREFIX
+from vllm_mamba_fix.observe.series import MAMBA_BLOCK, OLDEST_STALL, SPLIT_BLOCK, STALLED
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,17 +73,51 @@ def build_scheduler(attention_only):
     # An engine core: the plugin loaded the engine's way, then a real Scheduler built, over
     # the attention layers' KV cache only (a model without Mamba layers) or the hybrid's.
     from tools import sched_harness
+    from vllm_mamba_fix.facts import blocks
 
     sched_harness.load_plugins()
     harness = sched_harness.Harness(sched_harness.HarnessConfig(attention_only=attention_only))
     split = type(harness.scheduler).__dict__["_mamba_block_aligned_split"]
     assert hasattr(split, "__wrapped__"), "the plugin did not patch the scheduler"
+    # What vLLM's own series carry (PrometheusStatLogger) and the block sizes, for the parent.
+    config = harness.scheduler.vllm_config
+    unit = blocks.unit_of_scheduler(harness.scheduler)
+    with open(os.path.join(os.environ["TMPDIR"], "engine.json"), "w") as fh:
+        json.dump({{"model_name": config.model_config.served_model_name,
+                   "mamba": unit.mamba, "split": unit.configured}}, fh)
 
-def run(method, target, *args):
+def engine_core(rank, batch, standing, end):
+    # An engine core of DP rank `rank`: what prepare(scheduler) learns, as plain values.
+    labels = (("engine", str(rank)), ("model_name", "m"))
+    metrics.prepare_engine(labels, 16, 256, {{"version": "v", "rules": "split"}})
+    for key, amount in batch:
+        metrics.count(key, amount)
+    metrics.stalls(*standing)
+    if end == "kill":  # killed: no exit handler runs
+        os.kill(os.getpid(), 9)
+
+def held(target, ready, release, *args):
+    target(*args)
+    ready.set()
+    release.wait(300)
+
+HELD = []  # (process, release): engine cores still running while the parent reads
+
+def start_held(method, target, *args):
+    # A child that stays alive until the parent has read the registry (an engine core serving).
+    ctx = mp.get_context(method)
+    ready, release = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=held, args=(target, ready, release, *args))
+    proc.start()
+    assert ready.wait(300), "the child did not get ready"
+    HELD.append((proc, release))
+    return proc.pid
+
+def run(method, target, *args, exitcode=0):
     proc = mp.get_context(method).Process(target=target, args=args)
     proc.start()
     proc.join(300)  # a spawned child imports vLLM and builds a scheduler: slow on a loaded box
-    assert proc.exitcode == 0, proc.exitcode
+    assert proc.exitcode == exitcode, proc.exitcode
     return proc.pid
 
 if __name__ == "__main__":
@@ -110,10 +147,16 @@ if __name__ == "__main__":
     directory = os.environ.get(metrics.PROMETHEUS_DIR) or os.environ.get(metrics.ENV_DIR)
     if directory and not os.path.isdir(directory):
         directory = None  # named by attach(), never made: no engine core counted
+    gauge_files_while_held = sorted(f for f in (os.listdir(directory) if directory else [])
+                                    if f.startswith("gauge_"))
+    for proc, release in HELD:
+        release.set()
+        proc.join(60)
     print("RESULT " + json.dumps({{
         "samples": samples, "types": types, "pids": pids, "parent": os.getpid(),
         "dir": directory, "private": os.environ.get(metrics.ENV_DIR),
         "files": sorted(os.listdir(directory)) if directory else [],
+        "held_gauge_files": gauge_files_while_held,
     }}))
 """
 
@@ -173,13 +216,23 @@ def _run(tmp_path: Path, body: str, plan: dict[str, Any], env: dict[str, str]) -
     return json.loads(line[len("RESULT ") :])
 
 
-def _key(series: metrics.Series) -> str:
-    return series.sample + json.dumps(dict(series.labels), sort_keys=True)
+def _key(series: metrics.Series, labels: dict[str, str] | None = None) -> str:
+    return series.sample + json.dumps({**dict(series.labels), **(labels or {})}, sort_keys=True)
 
 
-def _expected(counts: dict[str, float]) -> dict[str, float]:
-    """Every series, at the given stats()-key counts (0 where absent)."""
-    return {_key(series): float(counts.get(key, 0)) for key, series in metrics.SERIES.items()}
+def _expected(counts: dict[str, float], labels: dict[str, str] | None = None) -> dict[str, float]:
+    """Every counter, at the given stats()-key counts (0 where absent), under ``labels``."""
+    return {
+        _key(series, labels): float(counts.get(key, 0)) for key, series in metrics.SERIES.items()
+    }
+
+
+def _gauges(
+    labels: dict[str, str], mamba: int, split: int, standing: int, oldest: float
+) -> dict[str, float]:
+    """The engine core's gauges but the info series."""
+    values = {MAMBA_BLOCK: mamba, SPLIT_BLOCK: split, STALLED: standing, OLDEST_STALL: oldest}
+    return {_key(series, labels): float(value) for series, value in values.items()}
 
 
 def test_series_cover_every_stats_key() -> None:
@@ -393,7 +446,7 @@ def test_only_a_scheduler_with_mamba_groups_prepares_the_series(
     API-server parent reads vLLM's own registry. The hybrid run is the control: the same
     build prepares every series at 0 in a file of its own.
     """
-    body = f'pids.append(run("spawn", build_scheduler, {attention_only}))'
+    body = f'pids.append(start_held("spawn", build_scheduler, {attention_only}))'
     env = _clean_env(
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     )
@@ -404,8 +457,25 @@ def test_only_a_scheduler_with_mamba_groups_prepares_the_series(
         assert result["private"]  # attach() named one; no engine core made it
         assert not list(_tmpdir(tmp_path).glob("vllm-mamba-fix-metrics-*"))
     else:
-        assert result["samples"] == _expected({})
-        assert result["files"] == [f"{metrics.FILE_PREFIX}{result['pids'][0]}.db"]
+        # Issue 37: the labels vLLM's own series carry, and the engine core's gauges.
+        engine = json.loads((_tmpdir(tmp_path) / "engine.json").read_text())
+        labels = {"engine": "0", "model_name": engine["model_name"]}
+        info = [k for k in result["samples"] if k.startswith("vllm_mamba_fix_info{")]
+        assert len(info) == 1 and result["samples"].pop(info[0]) == 1.0, info
+        found = json.loads(info[0][len("vllm_mamba_fix_info") :])
+        assert {k: found.pop(k) for k in ("engine", "model_name")} == labels
+        assert found["version"] == vllm_mamba_fix_version and found["scope"] == "multimodal"
+        assert "split" in found["rules"].split(",") and found["scheduler"].endswith("Scheduler")
+        assert result["samples"] == {
+            **_expected({}, labels),
+            **_gauges(labels, engine["mamba"], engine["split"], 0, 0.0),
+        }
+        assert engine["mamba"] and engine["split"]  # both read: the gauges are not 0s
+        assert result["types"]["vllm_mamba_fix_info"] == "gauge"
+        pid = result["pids"][0]
+        assert result["held_gauge_files"] == [f"{GAUGE_FILE_PREFIX}{pid}.db"]
+        # Exited: its gauge file went with it (a dead engine's gauges do not linger).
+        assert result["files"] == [f"{metrics.FILE_PREFIX}{pid}.db"]
 
 
 def _proc_start(pid: int) -> int:
@@ -430,11 +500,19 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def _private(tmp: Path, name: str, writers: tuple[int, ...] = (), other: str = "") -> Path:
+def _private(
+    tmp: Path,
+    name: str,
+    writers: tuple[int, ...] = (),
+    other: str = "",
+    gauges: tuple[int, ...] = (),
+) -> Path:
     path = tmp / f"vllm-mamba-fix-metrics-{name}"
     path.mkdir(mode=0o700)
     for pid in writers:
         (path / f"{metrics.FILE_PREFIX}{pid}.db").write_bytes(b"\0" * 16)
+    for pid in gauges:
+        (path / f"{GAUGE_FILE_PREFIX}{pid}.db").write_bytes(b"\0" * 16)
     if other:
         (path / other).write_text("not the plugin's")
     return path
@@ -482,6 +560,9 @@ def test_attach_sweeps_only_the_directories_of_gone_servers(tmp_path: Path) -> N
                 tmp, f"{live.pid}-{live_start + 1}-{here}-0123456789ab", (dead_writer,)
             ),
             "server a zombie": _private(tmp, f"{zombie.pid}-{zombie_start}-{here}-0123456789ab"),
+            "server gone, with gauges": _private(
+                tmp, f"{dead}-{live_start}-{here}-0123456789ac", (dead,), gauges=(dead,)
+            ),
         }
         shared = _private(tmp, f"{dead}-{live_start}-{here}-000000000000", (dead,))
         kept = {  # must stay, with everything in them
@@ -498,6 +579,9 @@ def test_attach_sweeps_only_the_directories_of_gone_servers(tmp_path: Path) -> N
             "0.4.0 name, server gone": _private(tmp, f"{dead}-0123456789ab", (dead_writer,)),
             "another pid namespace": _private(
                 tmp, f"{dead}-{live_start}-{ns + 1}-{_boot()}-0123456789ab"
+            ),
+            "server gone, an engine core's gauges alive": _private(
+                tmp, f"{dead}-0-{here}-abcdefabcdee", (dead_writer,), gauges=(live.pid,)
             ),
             "not the plugin's name": _private(tmp, f"{dead}-0123456789ab-old", (dead,)),
             "PROMETHEUS_MULTIPROC_DIR": shared,
@@ -586,3 +670,79 @@ def test_a_killed_servers_directory_is_swept_by_the_next_start(tmp_path: Path) -
     assert not leftover.exists()
     # Both later servers removed their own at exit.
     assert not list(tmp.glob("vllm-mamba-fix-metrics-*"))
+
+
+# ------------------------------------------------------------------ issue 37: labels, gauges
+
+ENGINE_CORES = """
+pids.append(start_held("spawn", engine_core, 0, [["collapses_prevented", 2]], [1, 1000.0], ""))
+pids.append(start_held("spawn", engine_core, 1, [["collapses_prevented", 3],
+                                                 ["stalls_detected", 1]], [2, 2000.0], ""))
+"""
+
+
+def _engine(rank: int) -> dict[str, str]:
+    return {"engine": str(rank), "model_name": "m"}
+
+
+def _info(rank: int) -> str:
+    labels = {**_engine(rank), "rules": "split", "version": "v"}
+    return "vllm_mamba_fix_info" + json.dumps(labels, sort_keys=True)
+
+
+@pytest.mark.parametrize("route", ["shared", "private"])
+def test_each_engine_core_has_its_own_labels(tmp_path: Path, route: str) -> None:
+    """Two engine cores (DP ranks 0 and 1) alive while /metrics is read: each one's counters
+    and gauges under its own ``engine`` label; a total over the labels is the old sum."""
+    extra = {}
+    if route == "shared":
+        (tmp_path / "prom").mkdir()
+        extra = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")}
+    result = _run(
+        tmp_path, ENGINE_CORES, {"attach": True, "through_vllm": True}, _clean_env(**extra)
+    )
+    expected = {
+        **_expected({"collapses_prevented": 2}, _engine(0)),
+        **_expected({"collapses_prevented": 3, "stalls_detected": 1}, _engine(1)),
+        **_gauges(_engine(0), 16, 256, 1, 1000.0),
+        **_gauges(_engine(1), 16, 256, 2, 2000.0),
+        _info(0): 1.0,
+        _info(1): 1.0,
+    }
+    assert result["samples"] == expected
+    collapses = [v for k, v in result["samples"].items() if '"action": "collapse-prevented"' in k]
+    assert len(collapses) == 2 and sum(collapses) == 5  # the sum the unlabelled series had
+    assert result["types"]["vllm_mamba_fix_stalled_requests"] == "gauge"
+    assert result["types"]["vllm_mamba_fix_corrections"] == "counter"
+    assert len(result["held_gauge_files"]) == 2
+    assert not [f for f in result["files"] if f.startswith("gauge_")]  # removed at their exit
+
+
+KILLED_THEN_RESTARTED = """
+pids.append(run("spawn", engine_core, 0, [["stalls_ended", 1]], [3, 100.0], "kill", exitcode=-9))
+pids.append(start_held("spawn", engine_core, 0, [["stalls_ended", 1]], [0, 0.0], ""))
+"""
+
+
+def test_a_killed_engine_cores_gauge_does_not_add_to_the_next(tmp_path: Path) -> None:
+    """A ``PROMETHEUS_MULTIPROC_DIR`` nobody wiped keeps a killed engine core's gauge file;
+    the next engine core of the same labels writes later, and "mostrecent" shows its value
+    (a "livesum" gauge would show 3 stalls that no longer stand)."""
+    (tmp_path / "prom").mkdir()
+    env = _clean_env(PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prom"))
+    result = _run(tmp_path, KILLED_THEN_RESTARTED, {"through_vllm": True}, env)
+    assert result["samples"] == {
+        **_expected({"stalls_ended": 2}, _engine(0)),  # counts add up, as prometheus_client's
+        **_gauges(_engine(0), 16, 256, 0, 0.0),
+        _info(0): 1.0,
+    }
+    assert f"{GAUGE_FILE_PREFIX}{result['pids'][0]}.db" in result["files"]  # left by the kill
+
+
+def test_a_killed_engine_cores_gauges_are_not_served(tmp_path: Path) -> None:
+    """The API server's own reader (one API server) skips the gauge file of a process that is
+    gone: its counts stay, its stalls no longer stand."""
+    body = 'pids.append(run("spawn", engine_core, 1, [], [3, 100.0], "kill", exitcode=-9))'
+    result = _run(tmp_path, body, {"attach": True, "through_vllm": True}, _clean_env())
+    assert result["samples"] == _expected({}, _engine(1))
+    assert f"{GAUGE_FILE_PREFIX}{result['pids'][0]}.db" in result["files"]

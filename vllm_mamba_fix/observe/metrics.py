@@ -1,50 +1,61 @@
-"""The plugin's counters at ``vllm serve``'s own ``/metrics``, as ``vllm_mamba_fix_*`` counters.
+"""The plugin's series at ``vllm serve``'s own ``/metrics``, as ``vllm_mamba_fix_*`` series.
 
 The counts are made in the engine core; ``/metrics`` is served by the API server, another
 process. vLLM carries no figure of a plugin between them (``SchedulerStats`` has fixed fields),
-so the counts travel the way vLLM's own API servers share theirs: prometheus_client's
-multiprocess files. Every release 0.15-0.33 serves ``/metrics`` from
+so the values travel the way vLLM's own API servers share theirs: prometheus_client's
+multiprocess files. Every release 0.15-0.34 serves ``/metrics`` from
 ``vllm.v1.metrics.prometheus.get_prometheus_registry()``:
 
 - ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM sets it for ``--api-server-count`` > 1, which is the
   default under data parallelism; or the user did): a ``MultiProcessCollector`` over that
-  directory. The engine core writes its file there.
+  directory. The engine core writes its files there.
 - unset (one API server, the default): the global ``REGISTRY`` of the API server process.
   :func:`attach`, run by ``register()`` in a process that multiprocessing did not start (the
   API server; never an engine core or a worker), adds a collector to ``REGISTRY`` and names
   a private directory to the engine cores it starts (:data:`ENV_DIR`); the first engine core
-  that counts makes it. Counts made in the serving process itself (an engine in the same
+  that counts makes it. Values made in the serving process itself (an engine in the same
   process) stay in memory, so that process writes no file.
 
-A non-hybrid model's engine core prepares nothing (no directory, no series); a killed
-server's private directory is removed when the next one starts (metrics_sweep.py).
-
-An engine core's file is ``counter_vllm-mamba-fix-<pid>.db``: prometheus_client's own format
-(``MmapedDict``), under a name of its own so it never shares a file with a metric
-prometheus_client may keep in the same process. No server, no port. prometheus_client comes
-with vLLM but is imported lazily: without it nothing is counted here and one line says so.
+The series, their labels (vLLM's ``model_name`` and ``engine``) and gauge mode: series.py;
+the files and the reader: metrics_store.py. :func:`prepare` runs when the engine core builds
+its scheduler: it learns the labels there and makes every series (counters at 0, the info
+series, the block sizes, the stall gauges). A non-hybrid model's engine core prepares nothing
+(no directory, no series); a killed server's private directory is removed when the next one
+starts (metrics_sweep.py). No server, no port. prometheus_client comes with vLLM but is
+imported lazily: without it nothing is exported here and one line says so.
 """
 
 from __future__ import annotations
 
 import atexit
-import glob
 import multiprocessing
 import os
 import secrets
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import logger
 from vllm_mamba_fix.facts import blocks, config
 from vllm_mamba_fix.observe import metrics_sweep
+from vllm_mamba_fix.observe.metrics_store import FILE_PREFIX, Collector, Local, Writer
+from vllm_mamba_fix.observe.series import (
+    INFO,
+    MAMBA_BLOCK,
+    OLDEST_STALL,
+    SERIES,
+    SPLIT_BLOCK,
+    STALLED,
+    Labels,
+    Series,
+    identity,
+    with_labels,
+)
 
-FILE_PREFIX = "counter_vllm-mamba-fix-"  # "counter_": the type MultiProcessCollector reads
-
+__all__ = ["FILE_PREFIX", "SERIES", "Series"]
 
 # The environment is read and written in config.py, the one module that touches it.
 directories = config.metrics_directories
@@ -53,151 +64,21 @@ PROMETHEUS_DIR = config.PROMETHEUS_DIR  # vLLM's and prometheus_client's directo
 ENV_DIR = config.METRICS_DIR_VAR  # the private one an API server hands down
 
 
-@dataclass(frozen=True)
-class Series:
-    metric: str  # without "_total", as prometheus_client keys a counter
-    help: str
-    labels: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def sample(self) -> str:
-        return self.metric + "_total"
-
-
-_CORRECTIONS = "vllm_mamba_fix_corrections"
-_CORRECTIONS_HELP = (
-    "Scheduler chunks vllm-mamba-fix corrected, by rule and action (engine core, summed)"
-)
-
-
-def _correction(rule: str, action: str) -> Series:
-    return Series(_CORRECTIONS, _CORRECTIONS_HELP, (("action", action), ("rule", rule)))
-
-
-# Per stats() key (counters.KEYS), its series.
-SERIES: dict[str, Series] = {
-    "collapses_prevented": _correction("split", "collapse-prevented"),
-    # Also the block-unit rule's boundary stop: one action, one series.
-    "chunks_realigned": _correction("split", "realigned"),
-    "chunks_stopped_at_encoder_input": _correction("split", "stopped-at-encoder-input"),
-    "speculative_stalls_released": _correction("speculative-stall", "released"),
-    "block_rule_chunks": Series(
-        "vllm_mamba_fix_block_rule_chunks",
-        "Chunks the block-unit rule ended at the Mamba cache's block (vLLM #54076)",
-    ),
-    "stalls_detected": Series(
-        "vllm_mamba_fix_stalls_named", "Stalled prefills the stall watchdog named"
-    ),
-    "stalls_resolved": Series(
-        "vllm_mamba_fix_stalls_moved_again", "Named stalls whose request moved again"
-    ),
-    "stalls_ended": Series(
-        "vllm_mamba_fix_stalls_ended", "Named stalls the plugin ended, finishing the request"
-    ),
-}
-
-
 class Support(NamedTuple):
     available: bool
     reason: str
 
 
-def _key(mmap_dict: Any, series: Series) -> str:
-    """prometheus_client's key of a sample in a multiprocess file."""
-    names = [name for name, _ in series.labels]
-    values = [value for _, value in series.labels]
-    return mmap_dict.mmap_key(series.metric, series.sample, names, values, series.help)
-
-
-class _Writer:
-    """This process's counter file; callers hold ``_lock`` (MmapedDict is not thread-safe)."""
-
-    def __init__(self, mmap_dict: Any, directory: str) -> None:
-        self.pid = os.getpid()
-        self._mmap_dict = mmap_dict
-        self._file = mmap_dict.MmapedDict(os.path.join(directory, f"{FILE_PREFIX}{self.pid}.db"))
-
-    def add(self, series: Series, amount: float) -> None:
-        key = _key(self._mmap_dict, series)
-        # Read back, not cached: a file left by an earlier run under the same pid (a
-        # PROMETHEUS_MULTIPROC_DIR nobody wiped) keeps counting up, as prometheus_client does.
-        stored = self._file.read_value(key)
-        value = (stored[0] if isinstance(stored, tuple) else stored) + amount
-        try:
-            self._file.write_value(key, value, 0.0)
-        except TypeError:  # prometheus_client before timestamps: (key, value)
-            self._file.write_value(key, value)
-
-
-class _Local:
-    """The counts of the process that serves them (no file): an engine in the API server."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.values: dict[str, float] = {}  # stats() key -> count
-
-    def add(self, series_key: str, amount: float) -> None:
-        self.values[series_key] = self.values.get(series_key, 0.0) + amount
-
-
-class _Collector:
-    """This process's counts plus the files its engine cores write under ``directory``."""
-
-    def __init__(self, prometheus_client: Any, multiprocess: Any, directory: str) -> None:
-        from prometheus_client.core import CounterMetricFamily
-
-        self._family = CounterMetricFamily
-        self._merge = multiprocess.MultiProcessCollector.merge
-        self.directory = directory  # "" until attach() names one
-
-    def describe(self) -> list[Any]:
-        # No names up front: REGISTRY would otherwise collect() while _serve_here holds _lock.
-        return []
-
-    def collect(self) -> Any:
-        # Runs inside vLLM's /metrics handler: an error here must not fail the scrape.
-        try:
-            return self._collect()
-        except Exception as exc:
-            _say_once("warning", "metrics not read (%s)", f"{type(exc).__name__}: {exc}")
-            return []
-
-    def _collect(self) -> Any:
-        totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        files = glob.glob(os.path.join(self.directory, "*.db")) if self.directory else []
-        for path in files:  # one by one: a damaged file loses its own counts only
-            try:
-                merged = self._merge([path], accumulate=True)
-            except Exception as exc:
-                _say_once("warning", "metrics file %s not read (%s)", path, type(exc).__name__)
-                continue
-            for metric in merged:
-                for sample in metric.samples:
-                    where = (sample.name, tuple(sorted(sample.labels.items())))
-                    totals[where] = totals.get(where, 0.0) + sample.value
-        with _lock:
-            local = dict(_local.values) if _local is not None else {}
-        families: dict[str, Any] = {}
-        for key, series in SERIES.items():
-            where = (series.sample, tuple(sorted(series.labels)))
-            if where not in totals and key not in local:
-                continue  # not prepared yet: no engine core has built a scheduler
-            family = families.get(series.metric)
-            if family is None:
-                family = families[series.metric] = self._family(
-                    series.metric, series.help, labels=[name for name, _ in series.labels]
-                )
-            value = totals.get(where, 0.0) + local.get(key, 0.0)
-            family.add_metric([value for _, value in series.labels], value)
-        return list(families.values())
-
-
 _lock = threading.RLock()  # re-entered if a registry collects while _serve_here holds it
-_writer: _Writer | None = None
-_local: _Local | None = None  # set in the process whose REGISTRY serves the counts
+_writer: Writer | None = None
+_local: Local | None = None  # set in the process whose REGISTRY serves the values
 _said: set[str] = set()
 _off_pid: int | None = None  # the process where opening the writer failed
 _swept_pid: int | None = None  # the process that swept old directories (once per process)
+# This process's engine core: vLLM's model_name and engine labels, learnt by prepare(scheduler);
+# gauges are written only where it ran (an engine core), never in doctor or the API server.
+_identity: Labels = ()
+_identity_pid: int | None = None
 
 
 def _say_once(level: str, message: str, *args: Any) -> None:
@@ -223,7 +104,7 @@ def _private_directory(path: str) -> str:
     return path
 
 
-def _sink_here() -> _Writer | _Local | None:
+def _sink_here() -> Writer | Local | None:
     """Where this process counts, chosen on first use; a forked child chooses again.
 
     Holds ``_lock``. vLLM's ``PROMETHEUS_MULTIPROC_DIR`` first; then this process's own
@@ -247,18 +128,25 @@ def _sink_here() -> _Writer | _Local | None:
         return None
     shared, private = directories()
     if shared and os.path.isdir(shared):
-        _writer = _Writer(found[1], shared)
+        _writer = Writer(found[1], shared)
     elif _local is not None and _local.pid == pid:
         _off_pid = None
         return _local
     elif private:
-        _writer = _Writer(found[1], _private_directory(private))
+        _writer = Writer(found[1], _private_directory(private))
     else:
         _off_pid = None
         return _serve_here(found, None)
     _off_pid = None
     logger.debug("vllm-mamba-fix: metrics are written to %s", shared or private)
     return _writer
+
+
+def _put(series: Series, labels: Labels, value: float, add: bool) -> None:
+    with _lock:
+        sink = _sink_here()
+        if sink is not None:
+            sink.put(series, labels, value, add)
 
 
 def count(key: str, amount: int = 1) -> None:
@@ -268,30 +156,86 @@ def count(key: str, amount: int = 1) -> None:
         if series is None:
             _say_once("debug", "no metric for the count %r", key)
             return
-        with _lock:
-            sink = _sink_here()
-            if isinstance(sink, _Local):
-                sink.add(key, amount)
-            elif sink is not None:
-                sink.add(series, amount)
+        _put(series, with_labels(series, _identity), amount, add=True)
     except Exception as exc:
         _say_once("debug", "metrics not written (%s)", f"{type(exc).__name__}: {exc}")
 
 
-def prepare(scheduler: Any = None) -> None:
-    """Create every series at 0, so ``increase()`` alerts see them before the first count.
+def _set(series: Series, value: float, extra: Labels = ()) -> None:
+    if _identity_pid == os.getpid():
+        _put(series, with_labels(series, (*_identity, *extra)), float(value), add=False)
 
-    Called when the engine core builds ``scheduler``. Not for a scheduler without Mamba KV
-    cache groups (a non-hybrid model): vLLM never calls the split there, so the plugin has
-    nothing to count, and the engine core makes no directory and no series. Never raises.
+
+def stalls(standing: int, oldest_start: float) -> None:
+    """The live stall gauges: requests named and not moved or ended, the oldest one's start.
+
+    A start time, not an age: a file-based registry cannot compute at scrape time, and an age
+    written at each change would stand still between changes. ``time() - x`` in PromQL is the
+    age at any scrape (docs/deployment.md). Never raises.
     """
     try:
-        if scheduler is not None and blocks.unit_of_scheduler(scheduler).no_mamba:
+        _set(STALLED, standing)
+        _set(OLDEST_STALL, oldest_start if standing else 0.0)
+    except Exception as exc:
+        _say_once("debug", "metrics not written (%s)", f"{type(exc).__name__}: {exc}")
+
+
+def block_sizes(mamba: int | None, split: int | None) -> None:
+    """The Mamba cache's block and the split's (``cache_config.block_size``); 0: unknown."""
+    try:
+        _set(MAMBA_BLOCK, mamba or 0)
+        _set(SPLIT_BLOCK, split or 0)
+    except Exception as exc:
+        _say_once("debug", "metrics not written (%s)", f"{type(exc).__name__}: {exc}")
+
+
+def prepare(
+    scheduler: Any = None,
+    info: Mapping[str, str] | None = None,
+    standing: tuple[int, float] = (0, 0.0),
+) -> None:
+    """Create every series, so ``increase()`` and ``absent()`` see them before the first count.
+
+    Called when the engine core builds ``scheduler``: its ``vllm_config`` gives the series
+    vLLM's ``model_name`` and ``engine`` labels (:func:`prepare_engine`). Not for a scheduler
+    without Mamba KV cache groups (a non-hybrid model): vLLM never calls the split there, so
+    the plugin has nothing to count, and the engine core makes no directory and no series.
+    Without a scheduler: the counters at 0, unlabelled. Never raises.
+    """
+    try:
+        if scheduler is not None:
+            unit = blocks.unit_of_scheduler(scheduler)
+            if unit.no_mamba:
+                return
+            labels = identity(getattr(scheduler, "vllm_config", None))
+            prepare_engine(labels, unit.mamba, unit.configured, info, standing)
             return
-    except Exception:  # a broken attribute: prepare, as before
-        pass
+    except Exception as exc:  # a broken attribute: the counters, as before
+        _say_once("debug", "no labels for the metrics (%s)", f"{type(exc).__name__}: {exc}")
     for key in SERIES:
         count(key, 0)
+
+
+def prepare_engine(
+    labels: Labels,
+    mamba_block: int | None,
+    split_block: int | None,
+    info: Mapping[str, str] | None = None,
+    standing: tuple[int, float] = (0, 0.0),
+) -> None:
+    """This process is the engine core of ``labels`` (vLLM's ``engine`` and ``model_name``):
+    every counter at 0, the info series (``info`` its own labels), the block sizes and the
+    stalls standing now. Never raises."""
+    global _identity, _identity_pid
+    _identity, _identity_pid = tuple(sorted(labels)), os.getpid()
+    for key in SERIES:
+        count(key, 0)
+    try:
+        _set(INFO, 1, tuple((str(k), str(v)) for k, v in (info or {}).items()))
+    except Exception as exc:
+        _say_once("debug", "metrics not written (%s)", f"{type(exc).__name__}: {exc}")
+    block_sizes(mamba_block, split_block)
+    stalls(*standing)
 
 
 def attach() -> None:
@@ -325,7 +269,16 @@ def attach() -> None:
         _say_once("debug", "metrics not attached (%s)", f"{type(exc).__name__}: {exc}")
 
 
-_collector: _Collector | None = None  # the one this process registered
+_collector: Collector | None = None  # the one this process registered
+
+
+def _local_values() -> dict[tuple[Series, Labels], float]:
+    with _lock:
+        return dict(_local.values) if _local is not None else {}
+
+
+def _warn_once(message: str, *args: Any) -> None:
+    _say_once("warning", message, *args)
 
 
 def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str | None) -> Any:
@@ -337,9 +290,9 @@ def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str
     global _local, _collector
     if _collector is None:
         prometheus_client, _, multiprocess = found
-        collector = _Collector(prometheus_client, multiprocess, "")
+        collector = Collector(multiprocess, _local_values, _warn_once)
         prometheus_client.REGISTRY.register(collector)
-        _collector, _local = collector, _Local()
+        _collector, _local = collector, Local()
     if directory and not _collector.directory:
         _collector.directory = directory
         owner = os.getpid()

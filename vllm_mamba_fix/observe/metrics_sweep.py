@@ -40,7 +40,8 @@ from vllm_mamba_fix._log import logger
 PREFIX = "vllm-mamba-fix-metrics-"
 # <pid>-<start ticks>-<pid namespace>-<boot>-<token>, 0 where unknown: at most 105 characters.
 _NAME = re.compile(PREFIX + r"(\d{1,10})-(\d{1,20})-(\d{1,20})-([0-9a-f]{16}|0)-[0-9a-f]{12}")
-_WRITER_FILE = re.compile(r"counter_vllm-mamba-fix-(\d{1,10})\.db")
+# An engine core's counter file, and its gauge file (metrics_store.py).
+_WRITER_FILE = re.compile(r"(?:counter|gauge_mostrecent)_vllm-mamba-fix-(\d{1,10})\.db")
 _PROC = "/proc"
 
 

@@ -16,6 +16,7 @@ from vllm_mamba_fix.decide.plan import Plan, Rule
 from vllm_mamba_fix.facts.blocks import BlockUnit
 from vllm_mamba_fix.facts.evidence import Evidence
 from vllm_mamba_fix.facts.targets import SPLIT_METHOD
+from vllm_mamba_fix.observe import counters
 
 
 class MethodState(enum.Enum):
@@ -130,6 +131,7 @@ def note_block_unit(cls: type, unit: BlockUnit) -> None:
         found = _records.get(class_name(cls))
         if found is not None:
             _records[found.scheduler_class] = dataclasses.replace(found, block=unit)
+    counters.record_block_unit(unit.mamba, unit.configured)  # the block-size gauges
 
 
 def records() -> tuple[ClassRecord, ...]:

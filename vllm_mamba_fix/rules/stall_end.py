@@ -124,7 +124,7 @@ def _end(scheduler: Any, order: EndOrder, scheduled: Any) -> tuple[int, Any] | N
     order.store.clear(rid)
     record_ended = getattr(counters, "record_stall_ended", None)
     if record_ended is not None:
-        record_ended()
+        record_ended(rid)
     cause = order.streak.cause.value if order.streak.cause else None
     extra = log_fields("stall-ended", request_id=rid, position=order.position, cause=cause)
     logger.warning("vllm-mamba-fix: %s", order.log_line, extra=extra)

@@ -120,7 +120,7 @@ def name_stall(
     """The watchdog names the stall (one WARNING); ``speculative`` None: a split 0."""
     streak.warned = True
     streak.named_at = now
-    counters.record_stall()
+    counters.record_stall(request_id=request.request_id, stalled_for=now - streak.since)
     manager = scheduler.encoder_cache_manager
     budget = int(getattr(scheduler, "max_num_encoder_input_tokens", manager.cache_size))
     report = _report(scheduler, request, streak.position, streak, now, "")
@@ -222,7 +222,7 @@ def on_moved(store: ZeroStreaks, request_id: str) -> None:
 
 
 def log_moving_again(request_id: str, position: int) -> None:
-    counters.record_stall(resolved=True)
+    counters.record_stall(resolved=True, request_id=request_id)
     logger.info(
         "vllm-mamba-fix: request %s moves again (was stalled at token %d)",
         request_id,

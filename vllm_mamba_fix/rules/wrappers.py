@@ -367,6 +367,7 @@ def make_free_request_wrapper(original: Callable[..., Any]) -> Callable[..., Any
         result = original(self, request, *args, **kwargs)
         try:
             forget_request(request.request_id)
+            counters.stall_gone(request.request_id)  # the live stall gauge
         except Exception as exc:
             fall_back(exc, None)
         return result
