@@ -76,7 +76,8 @@ def _only_multimodal_requests_looked_at(
 ) -> bool:
     """Whether a text request's split can only ever be vLLM's answer here, and every
     multimodal request's split meets the wrapper: the split rule acts on multimodal
-    requests alone (the built-in scope), nothing re-aligns text, the sizes agree, and
+    requests alone (the built-in scope), nothing re-aligns text, the sizes agree (a text
+    request's split 0 is then a wait for token budget, which the watchdog does not hear), and
     vLLM's own ``schedule()`` asks the wrapped encoder check of every request with encoder
     inputs right before its split (the arm)."""
     schedule = getattr(type(scheduler), "schedule", None)
@@ -84,7 +85,6 @@ def _only_multimodal_requests_looked_at(
         state.view is None
         and state.size > 0
         and options.deadlock_rules
-        and not options.hears_split_zeros
         and not (options.block_rule and options.realign and options.realign_others)
         and builtin_scope(options.scope) is Scope.MULTIMODAL
         and getattr(schedule, "__module__", None) in VLLM_SCHEDULE_MODULES

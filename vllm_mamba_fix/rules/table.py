@@ -114,11 +114,9 @@ def _split_options(rules: frozenset[Rule], facts: Facts, scope: ScopePolicy) -> 
         realign_others=not family.stops_mid_block,
         absolute_end=family.absolute_end,
         advances_sub_block=family.advances_sub_block,
-        # The watchdog hears a split 0 only where it can be an encoder stall: encoder
-        # budgeting runs first, and no split rule corrects the cuts that never clear.
-        hears_split_zeros=Rule.STALL_WATCHDOG in rules
-        and facts.split_after_encoder
-        and Rule.SPLIT not in rules,
+        # The watchdog hears every split 0 wherever it runs, split rule on or off: a rule's
+        # belief that it handles a request is no safety net (naming harms nothing).
+        hears_split_zeros=Rule.STALL_WATCHDOG in rules,
     )
 
 
