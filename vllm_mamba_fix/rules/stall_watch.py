@@ -198,9 +198,9 @@ def name_stall(
         why_not = support_of(scheduler) if proof else None
         if proof is None:
             note = (
-                "; its own encoder inputs fit: not ended while it may be waiting for cache "
-                "space or budget that a request which can still move holds, only where the "
-                "requests holding that space are stalled on each other's (a deadlock)"
+                "; not ended while its own encoder inputs fit and it may be waiting for "
+                "cache space or budget that a request which can still move holds: only if "
+                "every request holding that space is stalled on a hold too (a deadlock)"
             )
         elif why_not:
             note = f"; {proof}; not ended: {why_not}"
