@@ -242,6 +242,9 @@ def test_budget_starved_request_is_never_ended(
         h.add(*first)
         _drive(h, None, behind, max_steps=200)
     starved = behind[0].request_id
-    assert _named(vllm_log, starved), "the starved request never reached the watchdog"
+    # Heard where the split runs after encoder budgeting (0.15-0.27); on 0.28+ a split 0 is
+    # a budget wait the watchdog leaves unheard (the quiet bypass keeps stock's cost).
+    if facts_for(family).image_deadlock:
+        assert _named(vllm_log, starved), "the starved request never reached the watchdog"
     assert not ended(finishes) and not _ended_lines(vllm_log), finishes
     assert _completed(finishes) == set(h.requests), (finishes, h.result().stall_at)

@@ -185,27 +185,36 @@ def cross_hold_block(
     counts as free. A request not in ``needs`` (moving, or waiting for token budget) is
     assumed to free everything it holds. ``subject`` is proven only in a set of stalls that
     wait on each other's space (a deadlock), and only as that set's one victim: the one
-    whose end frees the most space (then the latest to arrive, then the largest id), so
-    one end breaks a mutual hold and the others complete.
+    whose end frees the most space (what it holds that no other stall of the set holds), then
+    the one that holds the most, then the latest to arrive, then the largest id. A request
+    that holds nothing is never the victim. So one end breaks a mutual hold and the others
+    complete; a set that needs more ends gets them one at a time.
     """
     blocked = _blocked(needs, holds, free, ending)
     if subject not in blocked:
         return None
 
+    def held(rid: str, only: bool) -> int:
+        """What it holds; ``only``: what its end lets requests that can move free too."""
+        return sum(
+            size for size, holders in holds
+            if rid in holders and not (only and (holders - {rid}) & blocked)
+        )  # fmt: skip
+
     def freed(rid: str) -> int:
-        return sum(size for size, holders in holds if rid in holders and holders - ending <= {rid})
+        return held(rid, True)
 
     when = arrival or {}
-    victim = max(blocked, key=lambda rid: (freed(rid), when.get(rid, 0.0), rid))
-    if victim != subject or not freed(subject):
+    victim = max(blocked, key=lambda rid: (freed(rid), held(rid, False), when.get(rid, 0.0), rid))
+    if victim != subject or not held(subject, False):
         return None
     holding = sorted(rid for rid in blocked - {subject} if any(rid in h for _, h in holds))
     named = ", ".join(holding[:3]) + (f" and {len(holding) - 3} more" if len(holding) > 3 else "")
     return (
         f"it needs {needs[subject]} more encoder cache tokens and {free} are free; the "
         f"requests that hold the rest ({named or 'none'}) are stalled too, each waiting for "
-        f"space the others hold: a deadlock across requests, and its end frees "
-        f"{freed(subject)} tokens"
+        f"space the others hold: a deadlock across requests, which its end breaks (it "
+        f"holds {held(subject, False)})"
     )
 
 
