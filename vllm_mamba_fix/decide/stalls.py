@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ class Streak:
     cause: StallCause | None = None
     ordered: bool = False  # its request is to be ended (stall_end)
     unproven_until: float = float("-inf")  # its own inputs fit: look again from then
+    window_end: int | None = None  # end of the smallest chunk it waits for (once named)
 
 
 class ZeroStreaks:
@@ -142,6 +143,79 @@ def own_inputs_block(
             f"more than the encoder cache's {cache_size}"
         )
     return None
+
+
+# One encoder cache entry requests reference: (encoder tokens, ids of the requests holding it).
+Hold = tuple[int, frozenset[str]]
+
+
+def _blocked(
+    needs: Mapping[str, int], holds: Sequence[Hold], free: int, ending: frozenset[str]
+) -> frozenset[str]:
+    """The largest set of stalled requests none of which gets the space it needs even if
+    every request outside the set (and every one ordered to end) freed all it holds."""
+    blocked = {rid for rid in needs if rid not in ending}
+    changed = True
+    while changed:
+        changed = False
+        for rid in sorted(blocked):
+            room = free + sum(
+                size for size, holders in holds if rid not in holders and not holders & blocked
+            )
+            if needs[rid] <= room:
+                blocked.discard(rid)
+                changed = True
+    return frozenset(blocked)
+
+
+def cross_hold_block(
+    subject: str,
+    needs: Mapping[str, int],
+    holds: Sequence[Hold],
+    free: int,
+    ending: frozenset[str] = frozenset(),
+    arrival: Mapping[str, float] | None = None,
+) -> str | None:
+    """Why ``subject`` must be ended to break a hold across requests, or None.
+
+    ``needs``: per named stall with no progress (``subject`` among them), the encoder
+    tokens it must newly place in the cache to get its next chunk; ``holds``: the cache
+    entries requests reference; ``free``: the tokens free or held by no request
+    (``num_freeable_slots``); ``ending``: requests already ordered to end, whose space
+    counts as free. A request not in ``needs`` (moving, or waiting for token budget) is
+    assumed to free everything it holds. ``subject`` is proven only in a set of stalls that
+    wait on each other's space (a deadlock), and only as that set's one victim: the one
+    whose end frees the most space (what it holds that no other stall of the set holds), then
+    the one that holds the most, then the latest to arrive, then the largest id. A request
+    that holds nothing is never the victim. So one end breaks a mutual hold and the others
+    complete; a set that needs more ends gets them one at a time.
+    """
+    blocked = _blocked(needs, holds, free, ending)
+    if subject not in blocked:
+        return None
+
+    def held(rid: str, only: bool) -> int:
+        """What it holds; ``only``: what its end lets requests that can move free too."""
+        return sum(
+            size for size, holders in holds
+            if rid in holders and not (only and (holders - {rid}) & blocked)
+        )  # fmt: skip
+
+    def freed(rid: str) -> int:
+        return held(rid, True)
+
+    when = arrival or {}
+    victim = max(blocked, key=lambda rid: (freed(rid), held(rid, False), when.get(rid, 0.0), rid))
+    if victim != subject or not held(subject, False):
+        return None
+    holding = sorted(rid for rid in blocked - {subject} if any(rid in h for _, h in holds))
+    named = ", ".join(holding[:3]) + (f" and {len(holding) - 3} more" if len(holding) > 3 else "")
+    return (
+        f"it needs {needs[subject]} more encoder cache tokens and {free} are free; the "
+        f"requests that hold the rest ({named or 'none'}) are stalled too, each waiting for "
+        f"space the others hold: a deadlock across requests, which its end breaks (it "
+        f"holds {held(subject, False)})"
+    )
 
 
 class StallCause(enum.Enum):

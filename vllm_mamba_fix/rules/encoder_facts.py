@@ -1,16 +1,20 @@
-"""What a request's own encoder inputs need, read from the scheduler: the proof that a 0
-can never clear, whatever other requests do.
+"""What a request's encoder inputs need, read from the scheduler: the proofs that a 0 can
+never clear.
 
-Both the split rule (is this encoder cut a wait, or the request's own deadlock?) and the
-watchdog's stall end ask it. Reads vLLM's objects, imports no vLLM; the arithmetic is
-:func:`vllm_mamba_fix.decide.stalls.own_inputs_block`'s.
+:func:`own_inputs_proof`: its own inputs never fit, whatever other requests do. Both the
+split rule (is this encoder cut a wait, or the request's own deadlock?) and the watchdog's
+stall end ask it. :func:`cross_hold_proof`: stalled requests hold the encoder cache space
+each other needs (the stall end only). Reads vLLM's objects, imports no vLLM; the
+arithmetic is :func:`vllm_mamba_fix.decide.stalls.own_inputs_block`'s and
+:func:`vllm_mamba_fix.decide.stalls.cross_hold_block`'s.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from vllm_mamba_fix.decide.stalls import own_inputs_block
+from vllm_mamba_fix.decide.stalls import Hold, cross_hold_block, own_inputs_block
 
 
 def num_embeds(request: Any, input_id: int) -> int:
@@ -20,6 +24,15 @@ def num_embeds(request: Any, input_id: int) -> int:
     return int(request.mm_features[input_id].mm_position.length)
 
 
+def encoder_cut_shift(scheduler: Any) -> int:
+    """The tokens vLLM leaves before an encoder input it cannot schedule: 0.28+ pass
+    ``num_prefill_lookahead``, 0.15-0.27 ``1 if use_eagle else 0``."""
+    lookahead = getattr(scheduler, "num_prefill_lookahead", None)
+    if lookahead is not None:
+        return int(lookahead)
+    return 1 if getattr(scheduler, "use_eagle", False) else 0
+
+
 def _has_embeds(position: Any, lo: int, hi: int) -> bool:
     """Whether placeholder tokens ``[lo, hi)`` (relative) hold embeddings vLLM schedules."""
     mask = getattr(position, "is_embed", None)
@@ -27,6 +40,11 @@ def _has_embeds(position: Any, lo: int, hi: int) -> bool:
         return True
     part = mask[lo:hi]
     return bool(part.any()) if hasattr(part, "any") else any(part)
+
+
+def _key(feature: Any) -> Any:
+    """The encoder cache's key of an input (a repeated image is one entry)."""
+    return getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
 
 
 OwnInputs = tuple[dict[Any, int], dict[Any, int], int, "int | None"]
@@ -48,7 +66,7 @@ def own_inputs(scheduler: Any, request: Any, start: int, end: int) -> OwnInputs 
     held: dict[Any, int] = {}
     needed: dict[Any, int] = {}
     for i, feature in enumerate(request.mm_features):
-        key = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+        key = _key(feature)
         if key is None:
             return None  # a repeated image could be one cache entry: no proof
         position = feature.mm_position
@@ -64,3 +82,56 @@ def own_inputs_proof(scheduler: Any, request: Any, start: int, end: int) -> str 
     """Why ``request`` can never get the tokens ``[start, end)`` whatever others do, or None."""
     facts = own_inputs(scheduler, request, start, end)
     return None if facts is None else own_inputs_block(*facts)
+
+
+# A named stall another request's proof may count on: (request, position, window end).
+Stalled = tuple[Any, int, int]
+
+
+def cache_holds(scheduler: Any) -> tuple[list[Hold], int] | None:
+    """The encoder cache entries requests reference, with their sizes, and the tokens free or
+    referenced by no request (vLLM evicts those on demand); None where it cannot be read."""
+    manager = scheduler.encoder_cache_manager
+    cached = getattr(manager, "cached", None)
+    free = getattr(manager, "num_freeable_slots", None)
+    if not isinstance(cached, dict) or free is None:
+        return None
+    referenced = {key: holders for key, holders in cached.items() if holders}
+    sizes: dict[Any, int] = {}
+    for rid in set().union(*referenced.values()):
+        request = scheduler.requests.get(rid)
+        for i, feature in enumerate(getattr(request, "mm_features", None) or ()):
+            key = _key(feature)
+            if key in referenced and key not in sizes:
+                sizes[key] = num_embeds(request, i)
+    if len(sizes) < len(referenced):
+        return None  # an entry of no known request: no proof
+    return [(sizes[key], frozenset(holders)) for key, holders in referenced.items()], int(free)
+
+
+def cross_hold_proof(
+    scheduler: Any, request: Any, stalled: Mapping[str, Stalled], ending: frozenset[str]
+) -> str | None:
+    """Why ``request`` (one of the named ``stalled``) must be ended to break stalled requests'
+    hold on each other's encoder cache space, or None. A stall its own inputs already keep
+    (:func:`own_inputs_proof`) counts as ending; one of unknown needs as free to move."""
+    read = cache_holds(scheduler)
+    if read is None or request.request_id not in stalled:
+        return None
+    holds, free = read
+    cached = scheduler.encoder_cache_manager.cached
+    needs: dict[str, int] = {}
+    hopeless = set(ending)
+    arrival: dict[str, float] = {}
+    for rid, (other, start, end) in stalled.items():
+        facts = own_inputs(scheduler, other, start, end)
+        if facts is None:
+            continue
+        if own_inputs_block(*facts) is not None:
+            hopeless.add(rid)
+            continue
+        held, needed, _, _ = facts
+        # An input another request placed in the cache is referenced, not allocated.
+        needs[rid] = sum(n for key, n in needed.items() if key not in held and key not in cached)
+        arrival[rid] = float(getattr(other, "arrival_time", 0.0) or 0.0)
+    return cross_hold_block(request.request_id, needs, holds, free, frozenset(hopeless), arrival)

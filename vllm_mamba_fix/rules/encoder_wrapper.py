@@ -89,7 +89,8 @@ def make_encoder_wrapper(
         shift_computed_tokens: int,
         result: EncoderResult,
     ) -> EncoderResult:
-        if not options.scope.in_scope(request):
+        # The watchdog hears every request's 0; the speculative-stall rule acts in scope only.
+        if options.stall_seconds is None and not options.scope.in_scope(request):
             return result
         rid = request.request_id
         now = stalls.clock()
@@ -113,7 +114,12 @@ def make_encoder_wrapper(
             )
         )  # fmt: skip
         stalled = release.stalled or unshifted
-        retried = options.release_speculative_stalls and stalled and repeated
+        retried = (
+            options.release_speculative_stalls
+            and stalled
+            and repeated
+            and options.scope.in_scope(request)
+        )
         if retried:
             for input_id in release.to_free:
                 _free_encoder_input(self, request, input_id)
@@ -138,7 +144,9 @@ def make_encoder_wrapper(
             if end_after is not None:
                 stall_watch.consider(self, request, zeros, streak, now, end_after, window_end)
         elif watchdog_due(streak, now, seconds):
-            stall_watch.name_stall(self, request, streak, now, end_after, window_end, stalled)
+            stall_watch.name_stall(
+                self, request, zeros, streak, now, end_after, window_end, stalled
+            )
         return result
 
     def wrapper(

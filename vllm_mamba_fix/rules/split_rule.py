@@ -67,8 +67,8 @@ class WrapOptions:
     # The release's split advances sub-block through a block wider than its longest chunk
     # (0.27+); before, the block-unit rule schedules the configured answer there.
     advances_sub_block: bool = True
-    # Tell the watchdog of final 0s: only where a split 0 can be an encoder stall (the
-    # class's schedule() budgets encoder inputs before the split) and the watchdog runs.
+    # Tell the watchdog of every final 0, in scope or not: wherever it runs and the class's
+    # schedule() budgets encoder inputs before the split.
     hears_split_zeros: bool = True
 
 

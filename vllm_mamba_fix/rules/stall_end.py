@@ -1,8 +1,9 @@
 # Rule:     stall-end (Rule.STALL_END in rules/table.py; VLLM_MAMBA_FIX_END_STALLS_AFTER, 60 s
 #           by default, off with 0 or "off")
 # Answers:  no vLLM issue of its own: a stall no rule can end (the request's own encoder inputs
-#           can never be scheduled together) holds its request, and the queue behind it,
-#           forever. It is ended with vLLM's own scheduler-side finish, so the client reads why.
+#           can never be scheduled together, or stalled requests hold the encoder cache space
+#           each other needs) holds its request, and the queue behind it, forever. It is
+#           ended with vLLM's own scheduler-side finish, so the client reads why.
 # Runs on:  where the watchdog runs and the class has update_from_output and finish_requests
 #           (rules/end_order.py: support); every release 0.15.0-0.33.0 has that path.
 # Decided:  by its setting, and on only with the watchdog (decide/policy.py:
@@ -48,8 +49,10 @@ and the OpenAI serving code, 0.15.1 to 0.33.0):
 When (see docs/reliability.md, "Ending stalls"): a stall the watchdog named, still
 at the same position ``end_stalls_after`` seconds later and after two more 0s, and
 only if the request's own encoder inputs cannot be scheduled whatever other requests
-do (:func:`vllm_mamba_fix.decide.stalls.own_inputs_block`). A request kept by others'
-cache entries, budget, preemption or churn is never ended.
+do (:func:`vllm_mamba_fix.decide.stalls.own_inputs_block`), or it is the one victim of
+named stalls that hold the encoder cache space each other needs
+(:func:`vllm_mamba_fix.decide.stalls.cross_hold_block`). A request kept by budget,
+preemption, churn or cache entries of a request that can still move is never ended.
 """
 
 from __future__ import annotations

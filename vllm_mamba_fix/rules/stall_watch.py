@@ -10,10 +10,12 @@
 # Removed:  with the last fix rule it watches.
 """The watchdog's two ears, the encoder-input check and the split, and the stall end's decision.
 
-A 0 of either counts in its own streak store (:mod:`vllm_mamba_fix.decide.stalls`); a streak
-long enough is named (one WARNING); a named stall still there ``end_stalls_after``
-seconds and two 0s later is ordered to end if :func:`own_inputs_proof` shows that
-its own encoder inputs keep it there whatever other requests do.
+A 0 of either counts in its own streak store (:mod:`vllm_mamba_fix.decide.stalls`), for
+every request, whether or not a rule acts on it; a streak long enough is named (one
+WARNING); a named stall still there ``end_stalls_after`` seconds and two 0s later is
+ordered to end if :func:`own_inputs_proof` shows that its own encoder inputs keep it there
+whatever other requests do, or :func:`cross_hold_proof` that it is the one victim of named
+stalls that hold the encoder cache space each other needs.
 :mod:`vllm_mamba_fix.rules.stall_end` executes the order. Reads the scheduler, imports no vLLM.
 """
 
@@ -38,12 +40,22 @@ from vllm_mamba_fix.decide.stalls import (
 )
 from vllm_mamba_fix.facts.blocks import block_size_of
 from vllm_mamba_fix.facts.config import ENV_END_STALLS_AFTER
-from vllm_mamba_fix.facts.targets import ENCODER_METHOD, MARKER
+from vllm_mamba_fix.facts.targets import ENCODER_METHOD, MARKER, SPLIT_METHOD
 from vllm_mamba_fix.observe import counters
-from vllm_mamba_fix.rules.encoder_facts import OwnInputs, num_embeds, own_inputs, own_inputs_proof
+from vllm_mamba_fix.rules.encoder_facts import (
+    OwnInputs,
+    Stalled,
+    cross_hold_proof,
+    encoder_cut_shift,
+    num_embeds,
+    own_inputs,
+    own_inputs_proof,
+)
 from vllm_mamba_fix.rules.end_order import ORDERS_ATTR, EndOrder, support_of
 
 RECHECK_SECONDS = 1.0
+# Per scheduler instance: request id -> (store, streak) of each stall named there.
+NAMED_ATTR = "_vllm_mamba_fix_named_stalls"
 
 # -- reading the scheduler ---------------------------------------------------------------
 
@@ -57,9 +69,43 @@ def _held_by_others(scheduler: Any, facts: OwnInputs | None) -> bool:
     return due > int(getattr(scheduler.encoder_cache_manager, "num_freeable_slots", due))
 
 
+def _named_stalls(scheduler: Any) -> dict[str, Stalled]:
+    """The stalls named on ``scheduler`` still there (the others are forgotten)."""
+    named = scheduler.__dict__.get(NAMED_ATTR)
+    if not named:
+        return {}
+    stalled: dict[str, Stalled] = {}
+    for rid, (store, streak) in list(named.items()):
+        request = scheduler.requests.get(rid)
+        if request is None or store.by_request.get(rid) is not streak or request.is_finished():
+            del named[rid]  # it moved, finished or was freed
+        # A waiting request counts from 0 (its prefix hit is not computed yet).
+        elif streak.window_end is not None and request.num_computed_tokens in (0, streak.position):
+            stalled[rid] = (request, streak.position, streak.window_end)
+    return stalled
+
+
+def _cross_proof(scheduler: Any, request: Any) -> str | None:
+    ending = frozenset(scheduler.__dict__.get(ORDERS_ATTR) or ())
+    return cross_hold_proof(scheduler, request, _named_stalls(scheduler), ending)
+
+
 def split_window_end(scheduler: Any, request: Any, position: int) -> int:
-    """End of the smallest chunk the split does not floor to 0: the next boundary of the
-    smallest unit any split floors to (a smaller unit only shrinks the proof's window)."""
+    """End of the smallest chunk the split does not floor to 0.
+
+    Where the split rule acts on the request, a chunk that stops at the next encoder input
+    is not floored (0.28's order): one token past the cut's look-ahead, as the encoder
+    check's. Else the next boundary of the smallest unit any split floors to (a smaller
+    unit only shrinks the proof's window).
+    """
+    options = getattr(getattr(type(scheduler), SPLIT_METHOD, None), MARKER, None)
+    if getattr(options, "deadlock_rules", False) and options.scope.in_scope(request):
+        end = position + 1 + encoder_cut_shift(scheduler)
+        return min(end, int(request.num_prompt_tokens))
+    return _boundary_end(scheduler, request, position)
+
+
+def _boundary_end(scheduler: Any, request: Any, position: int) -> int:
     units = [int(scheduler.cache_config.block_size)]
     with contextlib.suppress(Exception):
         units.append(block_size_of(scheduler))
@@ -111,6 +157,7 @@ def _report(
 def name_stall(
     scheduler: Any,
     request: Any,
+    store: ZeroStreaks,
     streak: Streak,
     now: float,
     end_after: float | None,
@@ -120,6 +167,9 @@ def name_stall(
     """The watchdog names the stall (one WARNING); ``speculative`` None: a split 0."""
     streak.warned = True
     streak.named_at = now
+    streak.window_end = window_end
+    _named_stalls(scheduler)  # forget the stalls that ended since
+    scheduler.__dict__.setdefault(NAMED_ATTR, {})[request.request_id] = (store, streak)
     counters.record_stall(request_id=request.request_id, stalled_for=now - streak.since)
     manager = scheduler.encoder_cache_manager
     budget = int(getattr(scheduler, "max_num_encoder_input_tokens", manager.cache_size))
@@ -128,18 +178,29 @@ def name_stall(
     cause = stall_cause(bool(speculative), waited, manager.cache_size, budget)
     facts = own_inputs(scheduler, request, streak.position, window_end)
     proof = None if facts is None else own_inputs_block(*facts)
-    if speculative is None and cause is StallCause.UNKNOWN and request.mm_features:
+    split_options = getattr(getattr(type(scheduler), SPLIT_METHOD, None), MARKER, None)
+    split_rule = bool(getattr(split_options, "deadlock_rules", False))
+    split_floor = speculative is None and request.mm_features and not split_rule
+    if split_floor and cause is StallCause.UNKNOWN:
         cause = StallCause.SPLIT_FLOOR
-    elif cause is StallCause.UNKNOWN and proof is None and _held_by_others(scheduler, facts):
-        cause = StallCause.SHARED_CACHE
+    elif cause is StallCause.UNKNOWN and proof is None:
+        # What keeps stock's split at 0 here (the cause, not the proof): the boundary's.
+        if speculative is None:
+            facts = own_inputs(
+                scheduler, request, streak.position,
+                _boundary_end(scheduler, request, streak.position),
+            )  # fmt: skip
+        if _held_by_others(scheduler, facts):
+            cause = StallCause.SHARED_CACHE
     streak.cause = cause
     note = ""
     if end_after is not None:
         why_not = support_of(scheduler) if proof else None
         if proof is None:
             note = (
-                "; not ended while its own encoder inputs fit: it may be waiting for cache "
-                "space or budget that other requests hold"
+                "; not ended while its own encoder inputs fit and it may be waiting for "
+                "cache space or budget that a request which can still move holds: only if "
+                "every request holding that space is stalled on a hold too (a deadlock)"
             )
         elif why_not:
             note = f"; {proof}; not ended: {why_not}"
@@ -168,10 +229,15 @@ def consider(
 ) -> None:
     """Another 0 of a named stall: order its end once the bound is past and it is proven."""
     streak.steps_named += 1
+    streak.window_end = window_end
     # An unproven stall is looked at again once a second, not on every step.
     if not end_due(streak, now, end_after) or now < streak.unproven_until:
         return
     proof = own_inputs_proof(scheduler, request, streak.position, window_end)
+    if proof is None:
+        proof = _cross_proof(scheduler, request)
+        if proof is not None and streak.cause in (None, StallCause.UNKNOWN):
+            streak.cause = StallCause.SHARED_CACHE
     if proof is None or support_of(scheduler) is not None:
         streak.unproven_until = now + RECHECK_SECONDS
         return
@@ -199,7 +265,7 @@ def consider(
 def on_split_zero(scheduler: Any, request: Any, position: int) -> None:
     options = getattr(getattr(type(scheduler), ENCODER_METHOD, None), MARKER, None)
     seconds = getattr(options, "stall_seconds", None)
-    if seconds is None or not options.scope.in_scope(request):
+    if seconds is None:  # every request's stop is heard, in scope of a rule or not
         return
     now = stalls.clock()
     rid = request.request_id
@@ -212,7 +278,7 @@ def on_split_zero(scheduler: Any, request: Any, position: int) -> None:
         if end_after is not None:
             consider(scheduler, request, stalls.SPLIT_ZEROS, streak, now, end_after, window_end)
     elif watchdog_due(streak, now, seconds):
-        name_stall(scheduler, request, streak, now, end_after, window_end, None)
+        name_stall(scheduler, request, stalls.SPLIT_ZEROS, streak, now, end_after, window_end, None)
 
 
 def on_moved(store: ZeroStreaks, request_id: str) -> None:

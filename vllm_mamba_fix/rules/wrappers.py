@@ -144,7 +144,7 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
             offset = start % size
             return realign and offset != 0 and offset + stock > size
         if not stock:
-            return zeros_matter and num_new_tokens > 0 and not zero_ruled_out(request)
+            return zeros_matter and num_new_tokens > 0 and (hears or not zero_ruled_out(request))
         return True
 
     def engaged(
@@ -208,7 +208,9 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
                 elif stock == 0 != num_new_tokens and (
                     not zeros_matter
                     or num_new_tokens <= 0
-                    or (builtin is Scope.MULTIMODAL and not request.has_encoder_inputs)
+                    or (
+                        not hears and builtin is Scope.MULTIMODAL and not request.has_encoder_inputs
+                    )
                 ):
                     return stock  # looked_at(), inlined for a 0 no rule can act on
                 if not looked_at(request, num_new_tokens, stock, start, size):
@@ -294,11 +296,12 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
                 # A 0 no rule can act on: one out of scope (a budget-starved text prefill).
                 if not zeros_matter or num_new_tokens <= 0:
                     return stock
-                if builtin is Scope.MULTIMODAL:
-                    if not request.has_encoder_inputs:
+                if not hears:  # else the watchdog hears every 0, in scope or not
+                    if builtin is Scope.MULTIMODAL:
+                        if not request.has_encoder_inputs:
+                            return stock
+                    elif zero_ruled_out(request):
                         return stock
-                elif zero_ruled_out(request):
-                    return stock
             start = (
                 request.num_computed_tokens
                 + num_new_local_computed_tokens
