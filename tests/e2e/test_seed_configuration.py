@@ -201,7 +201,8 @@ def _mismatches(outcome: Outcome, phase: str, records: list[dict[str, Any]]) -> 
 
 def test_seed_workload_completes_with_the_plugin(seed_plugin: tuple[Outcome, Path]) -> None:
     """All turns run: two aborted, the others back with their tokens; the first turn's images
-    force the encoder cut, and the plugin corrects it."""
+    force the encoder cut, and the plugin corrects it where its split rule runs (not on 0.32,
+    whose own split no longer collapses)."""
     outcome, workdir = seed_plugin
     assert outcome.status == "completed", _explain(outcome)
     records = _probe_by_phase(workdir, ["seed", "wide"])
@@ -215,7 +216,12 @@ def test_seed_workload_completes_with_the_plugin(seed_plugin: tuple[Outcome, Pat
         if not turn["aborted"]:
             assert len(turn["token_ids"]) == MAX_TOKENS, turn
     seed_log = engine_demo.phase_logs(outcome.log_text)["seed"]
-    assert "stopped-at-encoder-input" in seed_log or "collapse-prevented" in seed_log
+    active = [
+        line for line in seed_log.splitlines() if "vllm-mamba-fix" in line and "active" in line
+    ]
+    assert active, seed_log[-3000:]
+    if "carries split" in active[0]:  # releases with the deadlock (0.15-0.27): the plugin cuts
+        assert "stopped-at-encoder-input" in seed_log or "collapse-prevented" in seed_log
 
 
 def test_turns_extend_and_hit_at_many_boundaries(seed_plugin: tuple[Outcome, Path]) -> None:
