@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -102,6 +103,9 @@ class RequestSpec(TypedDict, total=False):
     # Empty the prefix cache first: the prompt computed from token 0 under the engine's own
     # chunking (prefix caching off would change the chunks: vLLM aligns none then).
     cold: bool
+    # Zero every cached Mamba state (conv and SSM, every block) in the workers first: a prefix
+    # hit then starts from a broken state (the check that tokens depend on the cached state).
+    break_mamba: bool
 
 
 # Between two image placeholders, by gap: what image_prompt puts there (2), less.
@@ -132,6 +136,9 @@ class Phase:
     # RequestSpec.
     requests: list[list[int] | RequestSpec] = field(default_factory=lambda: [[0, 1]])
     max_tokens: int = 16
+    # Multi-turn conversations instead of ``requests`` (``tools.seed_workload``): per
+    # conversation, its turns, each {"images": [...], "text": ..., "abort_after": steps}.
+    conversations: list[list[dict[str, Any]]] | None = None
 
 
 @dataclass
@@ -354,6 +361,44 @@ def _generate_beside(llm: Any, prompt: Any, params: Any, beside: Any, index: int
     return [done[request_id] for request_id in ids]
 
 
+SPEC_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "preemptions": "vllm:num_preemptions",
+}
+
+
+def spec_counts(llm: Any) -> dict[str, int] | None:
+    """vLLM's speculative-decoding and preemption counters so far (None unless the engine
+    logs stats: ``disable_log_stats=False``)."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # stats off: nothing to count
+        return None
+    counts = dict.fromkeys(SPEC_COUNTERS, 0)
+    for metric in metrics:
+        for key, name in SPEC_COUNTERS.items():
+            if metric.name in (name, f"{name}_total"):
+                counts[key] += int(metric.value)
+    return counts
+
+
+def zero_mamba_states(worker: Any) -> int:
+    """Runs in each worker (``collective_rpc``): zero every Mamba layer's cached states, all
+    blocks. Returns the number of state tensors zeroed."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    zeroed = 0
+    context = worker.model_runner.compilation_config.static_forward_context
+    for layer in context.values():
+        if isinstance(layer, MambaBase):
+            for state in layer.kv_cache:
+                state.zero_()
+                zeroed += 1
+    return zeroed
+
+
 def _step(engine: Any, done: dict[str, Any]) -> list[Any]:
     outputs = engine.step()
     done.update((output.request_id, output) for output in outputs if output.finished)
@@ -371,6 +416,13 @@ def _worker(spec_path: str) -> int:
         for phase in spec["phases"]
     }
     wanted = [i for specs in requests.values() for r in specs for i in r["images"]]
+    wanted += [
+        i
+        for phase in spec["phases"]
+        for conv in phase.get("conversations") or []
+        for turn in conv
+        for i in turn.get("images", [])
+    ]
     images = demo_images(n=max([2, *wanted]) + 1)
     for phase in spec["phases"]:
         print(PHASE_TAG + phase["name"], flush=True)
@@ -378,6 +430,14 @@ def _worker(spec_path: str) -> int:
         engine = {key: value for key, value in merged.items() if value is not None}
         llm = LLM(model=spec["model"], **engine)
         params = SamplingParams(temperature=0.0, max_tokens=phase["max_tokens"], ignore_eos=True)
+        if phase.get("conversations"):
+            from tools import seed_workload
+
+            def emit(result: dict[str, Any]) -> None:
+                print(RESULT_TAG + json.dumps(result), flush=True)
+
+            counts = functools.partial(spec_counts, llm)
+            seed_workload.run(llm, phase, images, params, emit, counts)
         for index, request in enumerate(requests[phase["name"]]):
             image_ids = request["images"]
             prompt_text = request_prompt(request)
@@ -393,6 +453,9 @@ def _worker(spec_path: str) -> int:
                 prompt.setdefault("multi_modal_data", {})["video"] = [clips[i] for i in video_ids]
             if request.get("cold") and not llm.reset_prefix_cache():
                 raise RuntimeError(f"request {index}: vLLM did not reset the prefix cache")
+            if request.get("break_mamba") and not all(llm.collective_rpc(zero_mamba_states)):
+                raise RuntimeError(f"request {index}: no Mamba state to break")
+            before = spec_counts(llm)
             t0 = time.monotonic()
             if request.get("beside"):
                 beside = SamplingParams(
@@ -415,6 +478,9 @@ def _worker(spec_path: str) -> int:
                 "elapsed_s": round(time.monotonic() - t0, 3),
                 "beside_tokens": [len(b.outputs[0].token_ids) for b in beside_outs],
             }
+            after = spec_counts(llm)
+            if before is not None and after is not None:
+                result["spec"] = {key: after[key] - before[key] for key in SPEC_COUNTERS}
             print(RESULT_TAG + json.dumps(result), flush=True)
         # Stop this engine core before the next phase starts one (RAM, CPU).
         llm.llm_engine.engine_core.shutdown()

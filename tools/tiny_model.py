@@ -38,12 +38,22 @@ imports, so on a normal GPU install it is inert. See ``tools/test_site/e2e_tv_sh
 With ``--mtp-layers 1`` (``build(..., mtp_layers=1)``) the checkpoint also carries a Qwen3.5-style
 multi-token-prediction head (``mtp_num_hidden_layers`` and ``mtp.*`` weights), from which vLLM
 builds its ``Qwen3_5MTP`` drafter for ``speculative_config={"method": "mtp", ...}``. The main
-model's weights do not change.
+model's weights do not change. Its drafts are random and almost all rejected.
+
+With ``--tracking-mtp`` (``build(..., mtp_layers=1, tracking=True)``) drafts get accepted most of
+the time while the target's greedy tokens still depend on the Mamba state (issue 36; see
+:func:`_track_bigram`): each lowercase letter's embedding leans towards the LM-head row of a
+successor letter (a 26-cycle), so the target's next token is that successor unless the context
+(the GatedDeltaNet states, the attention layer) outweighs it, and the MTP head is wired to
+compute exactly the successor: ``fc`` passes the normalised embedding of the last token through
+and ignores the target's hidden state, and its decoder layer adds nothing (``o_proj`` and
+``down_proj`` zero). The main weights differ from the plain model's (the letter embeddings).
 
 Usage::
 
     python -m tools.tiny_model /tmp/tiny-qwen35                     # prints the directory
     python -m tools.tiny_model /tmp/tiny-qwen35-mtp --mtp-layers 1  # with an MTP head
+    python -m tools.tiny_model /tmp/tiny-qwen35-track --mtp-layers 1 --tracking-mtp
 """
 
 from __future__ import annotations
@@ -79,6 +89,12 @@ BUILD_VERSION = "4"  # bump when the recipe changes, so cached dirs get rebuilt 
 # of the largest logit over 16 tokens (seeds 0-7 checked), so bf16 differences between
 # chunkings do not flip it, and a different second image changes the output.
 DEFAULT_SEED = 1
+# --tracking-mtp: how far a letter's embedding leans towards its successor's LM-head row, in
+# units of the embedding's own scale (norm 8 = sqrt(hidden)). At 1.75 the float32 target follows
+# the successor on ~78% of greedy steps of varied prompts, and prompts that differ in one word
+# still decode differently (measured with transformers; 1.0: 41%, 3.0: 100% and context-blind).
+TRACK_LEAN = 1.75
+TRACK_STEP = 7  # successor of letter i is letter (7 i + 3) mod 26: one 26-cycle, no fixed point
 
 # Qwen3-VL style template, reduced to what the tests need: text, image and video parts.
 CHAT_TEMPLATE = (
@@ -298,7 +314,31 @@ def _sharpen(model, seed: int) -> None:  # model: torch.nn.Module
                 module.A_log.copy_(a.log())
 
 
-def _write_mtp_weights(out: Path, layers: int, seed: int) -> None:
+def successor(letter: int) -> int:
+    """The token a ``--tracking-mtp`` model's MTP head drafts after lowercase ``letter``."""
+    i = letter - ord("a")
+    return ord("a") + (TRACK_STEP * i + 3) % 26
+
+
+def _track_bigram(model) -> None:  # model: torch.nn.Module
+    """Lean each lowercase letter's embedding towards its successor's LM-head row.
+
+    The residual stream of the last position starts from the token's embedding, so the target
+    favours ``successor(token)``; the GatedDeltaNet and attention layers add a context-dependent
+    part that overrides it where its margin is small. That share is what the drafter gets wrong.
+    """
+    import torch
+
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        head = model.get_output_embeddings().weight
+        scale = embed.shape[1] ** 0.5
+        for letter in range(ord("a"), ord("z") + 1):
+            row = head[successor(letter)]
+            embed[letter] += TRACK_LEAN * scale * row / row.norm()
+
+
+def _write_mtp_weights(out: Path, layers: int, seed: int, tracking: bool = False) -> None:
     """Add Qwen3.5-style multi-token-prediction weights (``mtp.*``) to the saved checkpoint.
 
     transformers' Qwen3.5 has no MTP module (it ignores ``mtp.*`` on load), so the names are
@@ -307,6 +347,10 @@ def _write_mtp_weights(out: Path, layers: int, seed: int) -> None:
     its full-attention layer's shapes, drawn afresh). The draft shares ``lm_head`` and the
     embedding. Random drafts are mostly rejected, which is fine: greedy speculative decoding
     emits the target model's tokens whatever the drafter proposes.
+
+    ``tracking``: ``fc`` is ``[I, 0]`` (the normalised embedding of the token, not the target's
+    hidden state) and the layers' output projections are zero, so the head's logits are the LM
+    head over the normalised embedding: the successor (:func:`_track_bigram`).
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -327,7 +371,13 @@ def _write_mtp_weights(out: Path, layers: int, seed: int) -> None:
                 new = torch.zeros_like(ref)
             else:
                 new = torch.randn(ref.shape, generator=gen) * (1.5 / ref[0].numel() ** 0.5)
+            if tracking and name.endswith(("o_proj.weight", "down_proj.weight")):
+                new = torch.zeros_like(ref)
             mtp[f"mtp.layers.{i}.{name[len(prefix) :]}"] = new.to(ref.dtype)
+    if tracking:
+        fc = torch.zeros(hidden, 2 * hidden)
+        fc[:, :hidden] = torch.eye(hidden)
+        mtp["mtp.fc.weight"] = fc
     save_file({**tensors, **mtp}, str(path), metadata={"format": "pt"})
 
 
@@ -336,16 +386,20 @@ def build(
     seed: int = DEFAULT_SEED,
     force: bool = False,
     mtp_layers: int = 0,
+    tracking: bool = False,
 ) -> Path:
     """Build (or reuse) the tiny model in ``out_dir`` and return its path.
 
     ``mtp_layers > 0`` adds a Qwen3.5-style MTP head (``mtp_num_hidden_layers`` in the text
     config and ``mtp.*`` weights), for ``speculative_config={"method": "mtp", ...}``. The main
-    model's weights are the same as without it.
+    model's weights are the same as without it, unless ``tracking`` (module docstring).
     """
+    if tracking and not mtp_layers:
+        raise ValueError("tracking needs an MTP head (mtp_layers > 0)")
     out = Path(out_dir)
     stamp = out / ".tiny_model_build"
     recipe = f"{BUILD_VERSION}:{seed}" + (f":mtp{mtp_layers}" if mtp_layers else "")
+    recipe += f":track{TRACK_LEAN}" if tracking else ""
     if not force and stamp.exists() and stamp.read_text() == recipe:
         return out
     import torch
@@ -356,9 +410,11 @@ def build(
     config = _config(mtp_layers)
     model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
     _sharpen(model, seed)
+    if tracking:
+        _track_bigram(model)
     model.save_pretrained(out, safe_serialization=True)
     if mtp_layers:
-        _write_mtp_weights(out, mtp_layers, seed)
+        _write_mtp_weights(out, mtp_layers, seed, tracking)
     # vLLM reads generation defaults from here; keep it greedy-neutral and stop on <|im_end|>.
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": special_id("<|im_end|>"), "do_sample": False}, indent=2)
@@ -421,8 +477,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mtp-layers", type=int, default=0, help="add an MTP head of this many layers"
     )
+    parser.add_argument(
+        "--tracking-mtp", action="store_true", help="an MTP head whose drafts are mostly accepted"
+    )
     args = parser.parse_args(argv)
-    print(build(args.out_dir, seed=args.seed, force=args.force, mtp_layers=args.mtp_layers))
+    model_dir = build(
+        args.out_dir,
+        seed=args.seed,
+        force=args.force,
+        mtp_layers=args.mtp_layers,
+        tracking=args.tracking_mtp,
+    )
+    print(model_dir)
     return 0
 
 

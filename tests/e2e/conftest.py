@@ -9,7 +9,9 @@ offline stock 1, offline patched 3 (patched+warm+other image, reference, no pref
 (block boundary, gap 0), patched 1 and a non-speculative reference 1, started once the offline
 runs are done; cache reuse (``test_cache_reuse.py``) 3 in one worker (unpinned, pinned,
 reference), also after the offline runs; videos (``test_videos.py``) 3 (stock, plugin,
-reference); the serve load test (``test_serve_load.py``) 1 server.
+reference); the serve load test (``test_serve_load.py``) 1 server; the seed's configuration
+(``test_seed_configuration.py``) 3 in two workers side by side (plugin: seed and wide layouts;
+stock: wide), after the offline runs.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ subscriptable, i.e. where Triton is unavailable; with a working Triton nothing c
 from __future__ import annotations
 
 import ctypes
+import functools
+import inspect
 import sys
 from types import ModuleType
 from typing import Any
@@ -144,8 +146,14 @@ def _precopy(
     COPY_BLOCK_SIZE=1024,  # the kernel's keyword names
     CONV_STATE_DIM_FIRST=False,
     HAS_IDX_MAPPING=True,
+    TEMPORAL_TILES=1,  # 0.32+: tiles split one copy across programs; here one program copies all
+    *,
+    rows_by_req: bool = False,
 ) -> list[int]:
-    """``precopy_mamba_align_fused_kernel``: previous running column -> new column."""
+    """``precopy_mamba_align_fused_kernel``: previous running column -> new column.
+
+    ``rows_by_req``: the block-table row is the request's state slot (0.32+), not the batch row.
+    """
     layout = _Layout(
         block_table_ptrs,
         block_table_stride_req,
@@ -169,8 +177,9 @@ def _precopy(
         src_col, dst_col = src_cols[req_idx], dst_cols[req_idx]
         if src_col < 0 or src_col == dst_col:
             continue
+        row = req_idx if rows_by_req else batch_idx
         for state in range(grid[1]):
-            layout.copy(state, batch_idx, src_col, dst_col, biases[req_idx])
+            layout.copy(state, row, src_col, dst_col, biases[req_idx])
         copies[0] += 1
         copies[1] += biases[req_idx] != 0
     return copies
@@ -201,8 +210,14 @@ def _postprocess(
     CONV_STATE_DIM_FIRST=False,
     HAS_IDX_MAPPING=False,
     PRECOMPUTED_NEW_COMPUTED=False,
+    TEMPORAL_TILES=1,
+    *,
+    rows_by_req: bool = False,
 ) -> list[int]:
-    """``postprocess_mamba_fused_kernel``: keep the block-aligned state after acceptance."""
+    """``postprocess_mamba_fused_kernel``: keep the block-aligned state after acceptance.
+
+    ``rows_by_req`` (0.32+): block-table row and the accepted-count store both by state slot.
+    """
     layout = _Layout(
         block_table_ptrs,
         block_table_stride_req,
@@ -240,11 +255,11 @@ def _postprocess(
         bias = aligned - running
         dst_block = aligned // block_size - 1
         if src_block == dst_block:
-            target = num_accepted_t if HAS_IDX_MAPPING else num_accepted_out
+            target = num_accepted_t if HAS_IDX_MAPPING and not rows_by_req else num_accepted_out
             target[req_idx] = 1
             if bias == 0:
                 continue
-        bt_row = batch_idx if HAS_IDX_MAPPING else req_idx
+        bt_row = batch_idx if HAS_IDX_MAPPING and not rows_by_req else req_idx
         for state in range(grid[1]):
             layout.copy(state, bt_row, src_block, dst_block, bias)
         copies[0] += 1
@@ -257,7 +272,10 @@ def _bind(module: ModuleType) -> None:
     for name, impl in impls.items():
         kernel = getattr(module, name, None)
         if kernel is not None and not hasattr(kernel, "__getitem__"):
-            setattr(module, name, _Grid(name, impl))
+            # The kernel's own parameters say which release's indexing it has: 0.32 added
+            # TEMPORAL_TILES with the rows-by-state-slot indexing.
+            rows_by_req = "TEMPORAL_TILES" in inspect.signature(kernel).parameters
+            setattr(module, name, _Grid(name, functools.partial(impl, rows_by_req=rows_by_req)))
 
 
 def install() -> bool:
