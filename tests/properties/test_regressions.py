@@ -430,6 +430,8 @@ FAILING_BEFORE_THE_028_ORDER = (
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_mutual_hold_is_completed_as_028_completes_it(diff_mode: Mode, n: int) -> None:
+    if n == 3 and diff_mode.name != "sync":
+        pytest.skip("three requests: sync only (two run in every mode), to keep CI short")
     check(mutual_hold(n), diff_mode)
 
 
@@ -438,4 +440,6 @@ def test_mutual_hold_is_completed_as_028_completes_it(diff_mode: Mode, n: int) -
     ids=["at-128", "at-64"],
 )  # fmt: skip
 def test_mtp_input_on_a_block_boundary_is_completed(diff_mode: Mode, workload: Workload) -> None:
+    if not diff_mode.speculative:
+        pytest.skip("the cut one token before an input is MTP's (the drafter's look-ahead)")
     check(workload, diff_mode)
