@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -423,7 +424,9 @@ def check(w: Workload, mode: Mode) -> dict[str, int]:
     from tests.properties import _reference
 
     reference, mine = run_both(w, mode)
+    started = time.monotonic()
     fixed = _reference.fixed_runs(w, mode, release())
+    reference_ms = int(1000 * (time.monotonic() - started))  # CI's cost of the second oracle
     where = describe(w, mode)
     # 1. What stock or a fixed release completes, the plugin completes (a request the
     # workload aborts in the plugin's run is the client's, not a loss).
@@ -484,6 +487,7 @@ def check(w: Workload, mode: Mode) -> dict[str, int]:
         "hit_tokens_plugin": sum(mine.hits.values()),
         **({"hit_tokens_sizes_agreeing": hits_agreeing} if hits_agreeing is not None else {}),
         **{f"fixed_{r}_workloads": 1 for r in fixed},
+        **({"fixed_release_ms": reference_ms} if fixed else {}),
         **{f"fixed_{r}_stalled_requests": len(o.waiting) for r, o in fixed.items()},
         **{f"fixed_{r}_completes_what_stock_does_not": len(o.completed - reference.completed)
            for r, o in fixed.items()},
