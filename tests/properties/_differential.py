@@ -119,6 +119,8 @@ class Workload:
             "scheduling_policy": "priority" if self.priority else "fcfs",
             "prefix_match_unit": self.prefix_match_unit,
             "prefill_checkpoint_alignment": self.checkpoint_alignment,
+            # --max-num-seqs as the seed's deployment (48): every request of a crowd may run
+            "max_num_seqs": max(cfg.max_num_seqs, len(s.requests)),
         }
         if self.preempt:
             # About one and a half max_model_len requests: two long requests at once
@@ -543,10 +545,10 @@ def reached(w: Workload, mode: Mode, mine: Outcome) -> dict[str, int]:
     if len(mm) >= 2:
         sizes = sorted((n for r in mm for n in _input_costs(r)), reverse=True)
         items = s.encoder_cache // sizes[0] if sizes else 0
-        if 1 <= items <= 3 and mine.concurrent_mm >= 2:
-            bucket = "2-4" if mine.concurrent_mm <= 4 else "5-12" if mine.concurrent_mm <= 12 else (
-                "13-48")  # fmt: skip
-            out[f"reach_concurrent_mm_{bucket}_cache_{items}_items"] = 1
+        for name, count in (("sent", len(mm)), ("running_at_once", mine.concurrent_mm)):
+            if 1 <= items <= 3 and count >= 2:
+                bucket = "2-4" if count <= 4 else "5-12" if count <= 12 else "13-48"
+                out[f"reach_mm_requests_{name}_{bucket}_cache_{items}_items"] = 1
     if mode.speculative:
         b = s.block_size
         starts = [st for r in s.requests for st, _ in r.mm_spans if st >= b - 1]
