@@ -132,6 +132,53 @@ class PropScenario:
         return min(gaps, default=None)
 
 
+# --------------------------------------------------------------------------
+# Plain JSON forms, field by field (the reference-release process of the differential
+# suite, tests/properties/_reference.py, receives scenarios this way)
+
+
+def request_to_json(req: PropRequest) -> dict[str, Any]:
+    return {
+        "request_id": req.request_id, "prompt_len": req.prompt_len,
+        "images": [list(i) for i in req.images], "content": req.content,
+        "arrival": req.arrival, "after": req.after, "max_tokens": req.max_tokens,
+        "videos": [
+            [v.offset, v.frames, v.tokens_per_frame, v.fps, v.is_embed] for v in req.videos
+        ],
+        "priority": req.priority,
+    }  # fmt: skip
+
+
+def request_from_json(d: dict[str, Any]) -> PropRequest:
+    return PropRequest(
+        request_id=str(d["request_id"]), prompt_len=int(d["prompt_len"]),
+        images=tuple((int(s), int(n)) for s, n in d["images"]), content=str(d["content"]),
+        arrival=int(d["arrival"]), after=d["after"], max_tokens=int(d["max_tokens"]),
+        videos=tuple(VideoSpec(int(o), int(f), int(t), float(fps), bool(e))
+                     for o, f, t, fps, e in d["videos"]),
+        priority=int(d["priority"]),
+    )  # fmt: skip
+
+
+def scenario_to_json(s: PropScenario) -> dict[str, Any]:
+    return {
+        "block_size": s.block_size, "budget": s.budget, "encoder_cache": s.encoder_cache,
+        "threshold": s.threshold, "requests": [request_to_json(r) for r in s.requests],
+        "configured_block_size": s.configured_block_size,
+        "configured_after_build": s.configured_after_build,
+    }  # fmt: skip
+
+
+def scenario_from_json(d: dict[str, Any]) -> PropScenario:
+    return PropScenario(
+        block_size=int(d["block_size"]), budget=int(d["budget"]),
+        encoder_cache=int(d["encoder_cache"]), threshold=int(d["threshold"]),
+        requests=tuple(request_from_json(r) for r in d["requests"]),
+        configured_block_size=d["configured_block_size"],
+        configured_after_build=bool(d["configured_after_build"]),
+    )  # fmt: skip
+
+
 def make_request(built: Any, req: PropRequest) -> Any:
     """A vLLM Request whose tokens and image hashes depend on ``req.key``, not its id."""
     from vllm.sampling_params import SamplingParams

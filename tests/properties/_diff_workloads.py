@@ -25,6 +25,7 @@ text hangs on stock by design), and inputs larger than the encoder cache.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from hypothesis import strategies as st
 
@@ -36,7 +37,7 @@ from tests.properties._support import (
     request_bodies,
 )
 from tools.prop_adapters import PropRequest, PropScenario
-from tools.sched_harness import Mode, vllm_version
+from tools.sched_harness import Mode, VideoSpec, vllm_version
 
 BLOCKS = (64, 128, 256, 512, 1056)
 
@@ -240,3 +241,110 @@ def fine_grained(draw: st.DrawFn, mode: Mode) -> Workload:
         prefix_match_unit=unit if fine else None,
         checkpoint_alignment=alignment if checkpoints else None,
     )
+
+
+def _input(draw: st.DrawFn, offset: int, size: int, video: bool) -> tuple[int, Any]:
+    """An image of `size` tokens at `offset`, or a Qwen3-VL video about that large;
+    returns (its length, ("image", (offset, size)) or ("video", VideoSpec))."""
+    if not video:
+        return size, ("image", (offset, size))
+    frames = draw(st.integers(1, 3))
+    spec = VideoSpec(offset, frames, max(4, size // frames), is_embed=draw(st.booleans()))
+    return spec.length, ("video", spec)
+
+
+def _request(rid: str, content: str, text: list[int], inputs: list[tuple[int, bool]],
+             draw: st.DrawFn, **kw: Any) -> PropRequest:  # fmt: skip
+    """text[0], input 0, text[1], input 1, ..., text[-1]."""
+    pos, images, videos = text[0], [], []
+    for (size, video), run in zip(inputs, text[1:], strict=True):
+        length, (kind, item) = _input(draw, pos, size, video)
+        (videos if kind == "video" else images).append(item)
+        pos += length + run
+    return PropRequest(rid, max(pos, 1), tuple(images), content=content, videos=tuple(videos),
+                       **kw)  # fmt: skip
+
+
+def _with_repeats(draw: st.DrawFn, requests: list[PropRequest]) -> list[PropRequest]:
+    """Some requests again: a concurrent copy (the same inputs held twice) or a repeat once
+    the original finished (prefix hits, issue 36 item 4)."""
+    out = list(requests)
+    for r in requests[: draw(st.integers(0, min(3, len(requests))))]:
+        after = draw(st.booleans())
+        out.append(dataclasses.replace(
+            r, request_id=f"{r.request_id}-again", after=r.request_id if after else None,
+            arrival=0 if after else r.arrival + draw(st.integers(0, 2)),
+        ))  # fmt: skip
+    return out
+
+
+@st.composite
+def crowd(draw: st.DrawFn, mode: Mode) -> Workload:
+    """2 to 48 image and video requests sent together (within a few steps), sharing an encoder
+    cache sized for 1 to 3 of their inputs; thresholds below the budget; often a KV pool that
+    preempts (a request resumed while another holds an input). Issue 35's mutual hold is one
+    point: block 64, budget 256, threshold 128, cache 1000, `text 10, image 400, text 2,
+    image 400, text 20` twice."""
+    gap = min_image_gap_for(mode, vllm_version())
+    block = draw(st.sampled_from([16, 32, 64, 128, 256]))
+    budget = max(draw(st.integers(2, 8)) * block + draw(st.sampled_from([0, block // 2, 1])),
+                 _floor(block), 128)  # fmt: skip
+    threshold = draw(st.one_of(st.just(0), st.integers(max(64, _floor(block)), budget)))
+    n = draw(st.one_of(st.integers(2, 4), st.integers(5, 12), st.integers(13, 48)))
+    size = draw(st.integers(32, 480))  # inputs of about one size, so the cache holds 1-3
+    video = draw(st.booleans())
+    requests = []
+    for i in range(n):
+        k = draw(st.integers(1, 3))
+        inputs = [(draw(st.integers(max(16, size * 3 // 4), size)), video and draw(st.booleans()))
+                  for _ in range(k)]  # fmt: skip
+        runs = [draw(st.integers(0, 64))] + [
+            draw(st.one_of(st.sampled_from([g for g in (0, 1, 2) if g >= gap] or [gap]),
+                           st.integers(gap, gap + 2 * block))) for _ in range(k - 1)
+        ] + [draw(st.integers(1, 64))]  # fmt: skip
+        requests.append(_request(f"m{i}", f"m{i}", runs, inputs, draw,
+                                 arrival=draw(st.sampled_from([0, 0, 0, 1, 2])),
+                                 max_tokens=draw(st.integers(1, 3))))  # fmt: skip
+    requests = _with_repeats(draw, requests)
+    largest = max(n for r in requests for n in _costs(r))
+    items = draw(st.integers(1, 3))
+    cache = items * largest + draw(st.integers(0, largest - 1))
+    s = PropScenario(block, budget, cache, threshold, tuple(requests))
+    return Workload(s, preempt=draw(st.booleans()), saturated_encoder=draw(st.integers(0, 3)) == 0)
+
+
+@st.composite
+def boundary(draw: st.DrawFn, mode: Mode) -> Workload:
+    """Inputs starting on a block boundary, one token before and one after it (the encoder
+    cut under MTP sits one token before an input: B-1 tokens that floor to 0), an encoder
+    cache for 1 to 3 inputs, 1 to 3 requests, a threshold often below the budget."""
+    gap = min_image_gap_for(mode, vllm_version())
+    block = draw(st.sampled_from([16, 32, 64, 128, 256, 512]))
+    budget = max(draw(st.integers(1, 6)) * block + draw(st.sampled_from([0, 1, block // 2])),
+                 _floor(block), 128)  # fmt: skip
+    threshold = draw(st.one_of(st.just(0), st.integers(max(64, _floor(block)), budget)))
+    requests = []
+    for i in range(draw(st.integers(1, 3))):
+        pos, images, videos = 0, [], []
+        for j in range(draw(st.integers(1, 3))):
+            start = (pos // block + draw(st.integers(1 if j else 0, 2))) * block + draw(
+                st.sampled_from([-1, 0, 1]))  # fmt: skip
+            start = max(start, pos + gap, 1)
+            length, (kind, item) = _input(draw, start, draw(st.integers(16, 2 * block + 16)),
+                                          draw(st.integers(0, 3)) == 0)  # fmt: skip
+            (videos if kind == "video" else images).append(item)
+            pos = start + length
+        requests.append(PropRequest(
+            f"b{i}", pos + draw(st.integers(1, 2 * block)), tuple(images), content=f"b{i}",
+            videos=tuple(videos), arrival=draw(st.integers(0, 2)),
+            max_tokens=draw(st.integers(1, 3)),
+        ))  # fmt: skip
+    requests = _with_repeats(draw, requests)
+    costs = sorted((n for r in requests for n in _costs(r)), reverse=True)
+    items = draw(st.integers(1, 3))
+    cache = max(costs[0], sum(costs[:items]))
+    return Workload(PropScenario(block, budget, cache, threshold, tuple(requests)))
+
+
+def _costs(r: PropRequest) -> list[int]:
+    return [n for _, n in r.images] + [encoder_cost(v) for v in r.videos]

@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, event, given, settings
 from hypothesis import strategies as st
 
 from tests.properties import _diff_workloads as wl
@@ -55,6 +55,8 @@ diff_mode = _differential.diff_mode  # the fixture, every harness mode
 def _run(mode: Mode, data: st.DataObject, strategy: Callable[[Mode], Any], family: str) -> None:
     workload: Workload = data.draw(strategy(mode), label="workload")
     figures = check(workload, mode)
+    for key in sorted(k for k in figures if k.startswith("reach_")):
+        event(key)  # --hypothesis-show-statistics lists them; FIGURES counts them per mode
     FIGURES.add(mode.name, **{f"differential_{family}_{k}": v for k, v in figures.items()})
 
 
@@ -80,3 +82,15 @@ def test_preemption_aborts_churn_priority(diff_mode: Mode, data: st.DataObject) 
 @given(data=st.data())
 def test_fine_grained_prefix_hits(diff_mode: Mode, data: st.DataObject) -> None:
     _run(diff_mode, data, wl.fine_grained, "fine_grained")
+
+
+@sized(ci_examples=2)
+@given(data=st.data())
+def test_crowd_sharing_an_encoder_cache(diff_mode: Mode, data: st.DataObject) -> None:
+    _run(diff_mode, data, wl.crowd, "crowd")
+
+
+@sized(ci_examples=3)
+@given(data=st.data())
+def test_inputs_at_block_boundaries(diff_mode: Mode, data: st.DataObject) -> None:
+    _run(diff_mode, data, wl.boundary, "boundary")

@@ -379,3 +379,59 @@ def test_realign_past_the_last_cacheable_boundary(diff_mode: Mode) -> None:
 
 def test_a_zero_that_clears_is_left_before_a_preemption(diff_mode: Mode) -> None:
     check(CORRECTION_THEN_PREEMPTION, diff_mode)
+
+
+# --------------------------------------------------------------------------
+# Issue 35 item 2: counterexamples of the second oracle (upstream's fixed release), found on
+# 216041c before the split rule followed 0.28's order (issue 35 item 1), which fixed them. Found
+# by test_crowd_sharing_an_encoder_cache and test_inputs_at_block_boundaries on 0.27.1 (sync and
+# sync+mtp2), minimised by hand to the issue's shapes.
+
+# Issue 35 case 1, the mutual hold: each request's own images fit the cache, the two requests'
+# first images fill it; both stop at 384 of 832 on 0.23-0.27, 0.28.0 completes both.
+_HOLD_BODY = ((10, 400), (412, 400))  # text 10, image 400, text 2, image 400, text 20
+
+
+def mutual_hold(n: int) -> Workload:
+    return Workload(
+        PropScenario(
+            block_size=64, budget=256, encoder_cache=1000, threshold=128,
+            requests=tuple(PropRequest(f"r{i}", 832, _HOLD_BODY, content=f"r{i}")
+                           for i in range(n)),
+        )
+    )  # fmt: skip
+
+
+# Issue 35 case 2, MTP: the second image starts on the boundary at 128; the encoder cut sits one
+# token before it, [64, 127) floors to 0 while the first image holds the cache. 0.27.1 parks the
+# request at 64 under MTP (sync and async); 0.28.0 completes it in 4 steps.
+MTP_INPUT_ON_A_BOUNDARY = Workload(
+    PropScenario(
+        block_size=64, budget=256, encoder_cache=100, threshold=0,
+        requests=(PropRequest("r0", 300, ((10, 100), (128, 100)), content="r0"),),
+    )
+)  # fmt: skip
+# The same at the first boundary: the first chunk [0, 63) floors to 0; parks at 0.
+MTP_SECOND_INPUT_ON_THE_FIRST_BOUNDARY = Workload(
+    PropScenario(
+        block_size=64, budget=256, encoder_cache=40, threshold=0,
+        requests=(PropRequest("r0", 150, ((10, 40), (64, 40)), content="r0"),),
+    )
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_mutual_hold_is_completed_as_028_completes_it(diff_mode: Mode, n: int) -> None:
+    if n == 3 and diff_mode.name != "sync":
+        pytest.skip("three requests: sync only (two run in every mode), to keep CI short")
+    check(mutual_hold(n), diff_mode)
+
+
+@pytest.mark.parametrize(
+    "workload", [MTP_INPUT_ON_A_BOUNDARY, MTP_SECOND_INPUT_ON_THE_FIRST_BOUNDARY],
+    ids=["at-128", "at-64"],
+)  # fmt: skip
+def test_mtp_input_on_a_block_boundary_is_completed(diff_mode: Mode, workload: Workload) -> None:
+    if not diff_mode.speculative:
+        pytest.skip("the cut one token before an input is MTP's (the drafter's look-ahead)")
+    check(workload, diff_mode)
