@@ -38,6 +38,7 @@ FIELDS: dict[str, str] = {
     "vllm_version": "vLLM's version",
     "family": "the vLLM family the release belongs to",
     "scope": "VLLM_MAMBA_FIX_SCOPE in effect",
+    "vllm_issue": "the upstream vLLM issue a known-issue record names",
 }
 EVENTS: dict[str, str] = {
     "correction": "a chunk changed: info for a request's first, debug after",
@@ -52,6 +53,7 @@ EVENTS: dict[str, str] = {
     "stall-ended": "the plugin ended a named stall's request",
     "summary": "the process's counters at shutdown",
     "fallback": "a wrapper failed and vLLM's own result stood",
+    "known-issue": "a known vLLM problem of the built set-up, which the plugin cannot fix",
     "setup": "install-time news: the policy, a problem, a setting, a stream, a scope rule",
 }
 

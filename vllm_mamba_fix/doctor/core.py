@@ -179,8 +179,7 @@ def _needs_step(state: _Run, speculative_config: Mapping[str, Any] | None) -> _N
     state.report.data["speculative"] = spec.data
     if spec.invalid:
         state.bad_input.append(spec.invalid)
-    if spec.warning:
-        state.report.warnings.append(spec.warning)
+    state.report.warnings.extend(spec.warnings)
     needed_by: dict[Rule, list[str]] = {}
     for check in state.dry.classes if state.dry else ():
         for rule in own_needs(check):

