@@ -217,7 +217,7 @@ def wrap(cls: type, options: WrapOptions) -> None:
         and ENCODER_METHOD in cls.__dict__
         and not is_wrapped(cls, ENCODER_METHOD)
     ):
-        wrap_encoder(cls, EncoderOptions(options.scope, False, None, split_first=True))
+        wrap_encoder(cls, EncoderOptions(options.scope, False, None))
 
 
 def wrap_encoder(cls: type, options: EncoderOptions) -> None:

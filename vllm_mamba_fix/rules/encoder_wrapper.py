@@ -31,7 +31,7 @@ from vllm_mamba_fix.decide.decision import Action, speculative_stall_release, un
 from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.decide.stalls import REPEATED, ZeroStreaks, watchdog_due
 from vllm_mamba_fix.facts.blocks import block_size_of
-from vllm_mamba_fix.facts.targets import MARKER, SPLIT_METHOD
+from vllm_mamba_fix.facts.targets import MARKER
 from vllm_mamba_fix.observe import counters
 from vllm_mamba_fix.rules import encoder_cut, stall_watch
 from vllm_mamba_fix.rules.stall_watch import log_moving_again
@@ -48,8 +48,6 @@ class EncoderOptions:
     stall_seconds: float | None
     # Seconds after a named stall no rule can end before its request is ended; None: off.
     end_stalls_after: float | None = None
-    # The split rule runs: split the chunk before the check, as 0.28 orders it (vLLM #51603).
-    split_first: bool = False
 
 
 def _free_encoder_input(scheduler: Any, request: Any, input_id: int) -> None:
@@ -59,20 +57,6 @@ def _free_encoder_input(scheduler: Any, request: Any, input_id: int) -> None:
         free(request, input_id)
     else:
         scheduler.encoder_cache_manager.free_encoder_input(request, input_id)
-
-
-def split_first(scheduler: Any, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
-    """0.28's order (vLLM #51603): the chunk the class's split keeps, before the encoder check
-    budgets inputs for it, so that inputs past it are neither encoded nor given cache space
-    this step. Looked up on the class, not the instance: a split another party bound on the
-    scheduler sees vLLM's own calls only."""
-    if num_new_tokens <= 0 or not getattr(scheduler, "need_mamba_block_aligned_split", False):
-        return num_new_tokens
-    split = getattr(type(scheduler), SPLIT_METHOD)
-    extra = num_computed_tokens - request.num_computed_tokens  # the waiting loop's hits
-    if extra:
-        return int(split(scheduler, request, num_new_tokens, extra))
-    return int(split(scheduler, request, num_new_tokens))
 
 
 def _placeholder(request: Any, input_id: int) -> tuple[int, int]:
@@ -90,7 +74,6 @@ def make_encoder_wrapper(
     zeros = ZeroStreaks()
     streaks = zeros.by_request
     fall_back = failure_reporter("the encoder-input check")
-    ordered_first = options.split_first
 
     def on_progress(request: Any) -> None:
         streak = zeros.clear(request.request_id)
@@ -174,12 +157,6 @@ def make_encoder_wrapper(
         encoder_compute_budget: int,
         shift_computed_tokens: int = 0,
     ) -> EncoderResult:
-        asked = num_new_tokens
-        if ordered_first:
-            try:
-                num_new_tokens = split_first(self, request, num_computed_tokens, asked)
-            except Exception:  # vLLM's own (the wrapper raises none): its own call raises it
-                num_new_tokens = asked
         result = original(
             self,
             request,
@@ -202,7 +179,7 @@ def make_encoder_wrapper(
                     shift_computed_tokens,
                     result,
                 )
-            encoder_cut.note(self, request, num_computed_tokens, asked, result[1])
+            encoder_cut.note(self, request, num_computed_tokens, num_new_tokens, result[1])
             return result
         except Exception as exc:
             return fall_back(exc, result)

@@ -141,7 +141,6 @@ def _encoder_options(
         release_speculative_stalls=Rule.SPECULATIVE_STALL in rules,
         stall_seconds=settings.stall_seconds if Rule.STALL_WATCHDOG in rules else None,
         end_stalls_after=settings.end_stalls_after if Rule.STALL_END in rules else None,
-        split_first=Rule.SPLIT in rules,
     )
 
 
