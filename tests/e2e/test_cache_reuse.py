@@ -9,8 +9,7 @@ same prompts computed *cold*: after the sequence, the same engine empties its pr
 before each distinct prompt, so the same chunks without a hit. Only the reuse differs, so a
 token that differs is a cached state that is not the state computing gives. Each comparison
 first checks that the chunks past the hit end where the cold run's do. The hit itself may add
-a boundary the cold run crosses (pinned, the prompt with images 0 and 2 resumes at 256 where
-cold runs [0,259)); a mismatch names both runs' chunks.
+a boundary the cold run does not have; a mismatch names both runs' chunks.
 
 Neither simpler reference is an oracle. Prefix caching off, vLLM does not align chunks at all.
 One chunk per prompt (0.4.0's reference, budget 1024) moves this random-weight model's logits
@@ -54,8 +53,8 @@ ONE_IMAGE, ONE_IMAGE_OTHER = "Describe the image.", "What is in this picture?"
 TWO_IMAGES, TWO_IMAGES_OTHER = "Describe both images.", "Compare the two pictures."
 
 # (request, the tokens it must take from the prefix cache: a lower bound). Pinned, the cold
-# two-image request's first chunk is [0,259), so no state is stored for [0,256) and the first
-# one-image prompt with image 0 computes it; unpinned, [0,128) [128,259) store one.
+# two-image request's chunks are [0,256) [256,259) as 0.28 orders the split (before issue 35:
+# [0,259), which stored no state for [0,256)); unpinned, [0,128) [128,259) store one.
 FIRST_HIT = {"unpinned": 256, "pinned": 0}
 SEQUENCE: list[tuple[RequestSpec, int | dict[str, int]]] = [
     # Issue 15's reproduction, one request at a time.
@@ -222,15 +221,17 @@ def test_block_unit_rule_engaged_for_text(cache_reuse: Outcome) -> None:
 def test_plugin_corrected(cache_reuse: Outcome, configuration: str) -> None:
     """The sequence makes the plugin correct chunks, so the reuse below is of corrected blocks.
 
-    Pinned (one unit): the cold two-image request stops at image 2's start, [0,259), and the
-    request with a hit at 256 collapses there. Unpinned, the block-unit rule's chunks (0.2.0
+    Pinned (one unit), as 0.28 orders the split: the cold two-image request gets [0,256) (the
+    split of the budget), then [256,259), image 2's start, where stock floors the cut to 0; the
+    request with a hit at 256 collapses there too. Unpinned, the block-unit rule's chunks (0.2.0
     stopped at image 2, [128,259); 0.3.0 collapsed at 256).
     """
     assert cache_reuse.status == "completed", _explain(cache_reuse)
     lines = _corrections(cache_reuse, configuration)
     actions = {CORRECTION.search(line)["action"] for line in lines}
     if configuration == "pinned":
-        assert {"collapse-prevented", "stopped-at-encoder-input"} <= actions, lines
+        assert "collapse-prevented" in actions, lines
+        assert any("at token 256: scheduling 3 tokens" in line for line in lines), lines
         return
     # Unpinned, the block-unit rule asks vLLM's split with the cache's 256: at budget 192 that
     # advances sub-block, as vLLM with --block-size 256 does, and stock's collapse never comes.

@@ -105,9 +105,13 @@ def test_plugin_completes_two_videos(video_runs: dict[str, Outcome]) -> None:
     assert cold["videos"] == [0, 1]
     assert cold["prompt_tokens"] == PROMPT_TOKENS == 657
     assert len(cold["token_ids"]) == MAX_TOKENS
-    # The plugin corrected the cold request: it stopped at video 2's start.
+    # The plugin corrected the cold request as 0.28 orders the split: [0, 256) is the split of
+    # the whole budget, then [256, 319) ends at video 2's start instead of flooring to 0.
     lines = engine_demo.plugin_lines(outcome.log_text)
-    assert any("stopped-at-encoder-input" in line and "319 tokens" in line for line in lines), lines
+    assert any(
+        "collapse-prevented" in line and "at token 256: scheduling 63 tokens" in line
+        for line in lines
+    ), lines
     # The warm repeat reused cached blocks.
     assert warm["num_cached_tokens"] > 0, warm
 
