@@ -435,8 +435,17 @@ def check(w: Workload, mode: Mode) -> dict[str, int]:
     where = describe(w, mode)
     # 1. What stock or a fixed release completes, the plugin completes (a request the
     # workload aborts in the plugin's run is the client's, not a loss).
+    # A request this release's stock leaves waiting even with no encoder pressure is a hang of
+    # this release's own (a KV pool too small under preemption, fixed upstream elsewhere):
+    # the fixed release completing it is not the split's or the plugin's doing.
+    beyond = beyond_the_plugin(w, mode, reference)
     for name, run in [("stock", reference), *((f"vLLM {r}", o) for r, o in fixed.items())]:
-        lost = run.completed - mine.completed - mine.aborted
+        lost = (
+            run.completed
+            - mine.completed
+            - mine.aborted
+            - (beyond if run is not reference else set())
+        )
         assert not lost, (
             f"{name} completes {sorted(lost)}, the plugin does not (ended {sorted(mine.ended)}, "
             f"waiting {sorted(mine.waiting)}); plugin chunks {_chunks(mine, lost)}, {name} "
@@ -444,7 +453,6 @@ def check(w: Workload, mode: Mode) -> dict[str, int]:
         )
     # 2. 0 ended, and nothing left waiting but vLLM's own hangs.
     assert not mine.ended, f"the plugin ended {sorted(mine.ended)}; {where}"
-    beyond = beyond_the_plugin(w, mode, reference)
     left = mine.waiting - beyond
     assert not left, f"waiting forever with the plugin: {sorted(left)}; {where}"
     # 3. 0 cache-boundary violations.
@@ -472,7 +480,9 @@ def check(w: Workload, mode: Mode) -> dict[str, int]:
     # The larger of stock's and the fixed release's: where stock never completes a request,
     # its steps are unbounded, so only completion binds (0.27's encoder check budgets inputs
     # past the kept chunk a step early where nothing is corrected, and the plugin keeps that).
-    if mine.corrections and bounds and not reference.waiting:
+    # On 0.15-0.25 the block-unit rule re-aligns every request that starts mid-block, which
+    # stock there does not: steps may differ by design, so only 0.26+ are held to the bound.
+    if mine.corrections and bounds and not reference.waiting and release() >= (0, 26):
         assert mine.steps <= max(bounds.values()), (
             f"the plugin corrected and needs {mine.steps} steps, more than {bounds}; {where}"
         )
