@@ -18,12 +18,14 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from tools import sched_harness as harness
+from vllm_mamba_fix._log import FIELD_PREFIX
 from vllm_mamba_fix.facts.versions import Family, family_for
 
 PLUGIN_ENV = ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS")
@@ -118,3 +120,32 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tools.matrix import probe
 
     Path(target).write_text(json.dumps(probe(), indent=1))
+
+
+def facts_of(record: logging.LogRecord) -> dict[str, Any]:
+    """The plugin's fields on ``record``, without the prefix."""
+    return {
+        name.removeprefix(FIELD_PREFIX): value
+        for name, value in vars(record).items()
+        if name.startswith(FIELD_PREFIX)
+    }
+
+
+@pytest.fixture
+def records() -> Iterator[list[logging.LogRecord]]:
+    """Every record of the plugin's logger, at every level."""
+    found: list[logging.LogRecord] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            found.append(record)
+
+    logger = logging.getLogger("vllm.mamba_fix")
+    handler, saved = _Keep(logging.DEBUG), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved)

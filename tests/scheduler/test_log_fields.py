@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.scheduler.conftest import facts_of
 from tests.stall_end_helpers import install_clock, stall_end_installed, update_wrapped
 from tools import scenarios as sc
 from tools import sched_harness as harness
@@ -29,35 +29,6 @@ ACTIVE = re.compile(r"vllm-mamba-fix \S+ active: (?P<cls>\S+) carries .*; block 
 NAMED = re.compile(r"request (?P<rid>\S+) stalled at token (?P<pos>\d+) of (?P<prompt>\d+)")
 ENDED = re.compile(r"ended request (?P<rid>\S+): 0 tokens at token (?P<pos>\d+) of .*; cause: ")
 MOVED = re.compile(r"request (?P<rid>\S+) moves again \(was stalled at token (?P<pos>\d+)\)")
-
-
-def facts_of(record: logging.LogRecord) -> dict[str, Any]:
-    """The plugin's fields on ``record``, without the prefix."""
-    return {
-        name.removeprefix(FIELD_PREFIX): value
-        for name, value in vars(record).items()
-        if name.startswith(FIELD_PREFIX)
-    }
-
-
-@pytest.fixture
-def records() -> Iterator[list[logging.LogRecord]]:
-    """Every record of the plugin's logger, at every level."""
-    found: list[logging.LogRecord] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            found.append(record)
-
-    logger = logging.getLogger("vllm.mamba_fix")
-    handler, saved = _Keep(logging.DEBUG), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield found
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved)
 
 
 @pytest.fixture(autouse=True)

@@ -9,42 +9,14 @@ all of them), each built twice, as an engine core with two schedulers in one pro
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.scheduler.conftest import facts_of
 from tools import sched_harness as harness
-from vllm_mamba_fix._log import FIELD_PREFIX
 from vllm_mamba_fix.facts.blocks import BLOCK_ATTR, BlockUnit
 from vllm_mamba_fix.observe import mtp_tokens
-
-
-def _facts(record: logging.LogRecord) -> dict[str, Any]:
-    return {
-        name.removeprefix(FIELD_PREFIX): value
-        for name, value in vars(record).items()
-        if name.startswith(FIELD_PREFIX)
-    }
-
-
-@pytest.fixture
-def records() -> Iterator[list[logging.LogRecord]]:
-    found: list[logging.LogRecord] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            found.append(record)
-
-    logger = logging.getLogger("vllm.mamba_fix")
-    handler, saved = _Keep(logging.DEBUG), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield found
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved)
 
 
 def test_the_combination_is_named_once_per_class(
@@ -58,17 +30,17 @@ def test_the_combination_is_named_once_per_class(
     assert first.use_eagle is sched_mode.speculative  # the mode is what it says
     by_event: dict[str, list[logging.LogRecord]] = {}
     for record in records:
-        by_event.setdefault(_facts(record).get("event"), []).append(record)
+        by_event.setdefault(facts_of(record).get("event"), []).append(record)
     # The plugin saw the construction: the class's active (or not-needed) line is there.
     said = by_event.get("active", []) + by_event.get("not-needed", [])
-    assert [_facts(r)["scheduler_class"] for r in said] == [cls], [r.getMessage() for r in said]
+    assert [facts_of(r)["scheduler_class"] for r in said] == [cls], [r.getMessage() for r in said]
     named = by_event.get(mtp_tokens.EVENT, [])
     if not sched_mode.speculative:
         assert named == [], [r.getMessage() for r in named]
         return
     (record,) = named  # two schedulers built, one line
     assert record.levelno == logging.WARNING
-    assert _facts(record) == {
+    assert facts_of(record) == {
         "event": mtp_tokens.EVENT,
         "scheduler_class": cls,
         "block": getattr(first, BLOCK_ATTR),  # the Mamba block the plugin read
