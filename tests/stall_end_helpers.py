@@ -1,7 +1,7 @@
 """Shared by the stall-end tests (issue 21 item 1): a clock the test advances, the plugin's
 ``update_from_output`` wrapper, and what a scheduler hands the engine core.
 
-The watchdog reads ``vllm_mamba_fix.decide.stalls.clock``; tests put a :class:`Clock` there
+The watchdog reads ``vllm_mamba_fix.rules.stall_watch.clock``; tests put a :class:`Clock` there
 instead of sleeping for minutes. :func:`update_wrapped` checks that the plugin's loader
 installed its own ``update_from_output`` wrapper on ``Scheduler``.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from vllm_mamba_fix.decide import stalls
 from vllm_mamba_fix.facts.targets import MARKER, UPDATE_METHOD
+from vllm_mamba_fix.rules import stall_watch
 from vllm_mamba_fix.rules.stall_end import EndOptions
 
 ENDED_PREFIX = "vllm-mamba-fix ended this request"
@@ -40,7 +40,7 @@ class Clock:
 def install_clock(monkeypatch: pytest.MonkeyPatch, per_call: float = 0.0) -> Clock:
     """The watchdog's clock, for the rest of the test."""
     fake = Clock(per_call)
-    monkeypatch.setattr(stalls, "clock", fake)
+    monkeypatch.setattr(stall_watch, "clock", fake)
     return fake
 
 

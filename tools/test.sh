@@ -51,6 +51,8 @@ py=$venv/bin/python
 phase lint
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
+# ruff holds the package's complexity (C901, PLR0912, PLR0915); this, its functions' length.
+"$py" -m tools.function_length
 # The import contracts in pyproject.toml: the layers (every module in one, none importing a
 # higher one), no vLLM in facts and decisions, observers plugged in rather than imported.
 "$venv/bin/lint-imports" --no-cache >/dev/null || "$venv/bin/lint-imports" --no-cache

@@ -212,7 +212,7 @@ def test_scope_all_corrects_a_text_zero_only_where_it_never_clears(
     fake_vllm: FakeFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A text request's 0 is a wait for budget unless the block exceeds the longest chunk."""
-    from vllm_mamba_fix.decide.stalls import tracked_requests
+    from vllm_mamba_fix.rules.zero_streaks import tracked_requests
 
     monkeypatch.setenv("VLLM_MAMBA_FIX_SCOPE", "all")
     # A release whose split floors every chunk of a block wider than its longest to 0.

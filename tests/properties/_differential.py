@@ -5,7 +5,7 @@ vLLM's own MTP `SpeculativeConfig`) of the release `import vllm` finds:
 
 - stock: the plugin unregistered, vLLM's own methods;
 - plugin: loaded through vLLM's `load_general_plugins()` with its defaults (nothing
-  forced, no variable set), the watchdog's clock (`vllm_mamba_fix.decide.stalls.clock`) moving
+  forced, no variable set), the watchdog's clock (`vllm_mamba_fix.rules.stall_watch.clock`) moving
   100 s on every reading, longer than both bounds (30 s to name, 60 s to end), so the
   watchdog names and the end ends as early as they ever could.
 
@@ -46,7 +46,6 @@ from tools import prop_adapters as pa
 from tools import sched_harness as harness
 from tools.prop_adapters import PropRequest, PropScenario
 from tools.sched_harness import HarnessConfig, Mode
-from vllm_mamba_fix.decide import stalls
 from vllm_mamba_fix.facts import config as plugin_config
 from vllm_mamba_fix.facts.versions import release_of
 from vllm_mamba_fix.observe import counters
@@ -347,15 +346,15 @@ def stock() -> Iterator[None]:
 @contextlib.contextmanager
 def registered() -> Iterator[None]:
     """The plugin as vLLM loads it, with its defaults, under the virtual clock."""
-    saved_clock = stalls.clock
+    saved_clock = stall_watch.clock
     with _no_plugin_variables():
         harness.unload_plugin()
         harness.load_plugins()
-        stalls.clock = Clock(per_call=PER_CALL)
+        stall_watch.clock = Clock(per_call=PER_CALL)
         try:
             yield
         finally:
-            stalls.clock = saved_clock
+            stall_watch.clock = saved_clock
             harness.unload_plugin()
 
 

@@ -45,7 +45,6 @@ from tools import prop_adapters as pa
 from tools import sched_harness as harness
 from tools.prop_adapters import PropRequest, PropScenario
 from tools.sched_harness import HarnessConfig, Mode
-from vllm_mamba_fix.decide import stalls
 from vllm_mamba_fix.rules import stall_watch
 
 IDLE_STEPS = 30
@@ -149,7 +148,7 @@ def plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             monkeypatch.setenv(name, value)
         harness.unload_plugin()
         load_with_stall_end(lambda **env: _load(monkeypatch, **env))
-        monkeypatch.setattr(stalls, "clock", Clock(per_call=100.0))
+        monkeypatch.setattr(stall_watch, "clock", Clock(per_call=100.0))
         try:
             with update_wrapped():
                 yield

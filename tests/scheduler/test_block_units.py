@@ -163,7 +163,7 @@ def test_an_aborted_stalled_request_leaves_no_streak(family: Family, load_plugin
     """An image larger than the encoder cache gets 0 on every step; aborting it ends its state."""
     from vllm.v1.request import RequestStatus
 
-    from vllm_mamba_fix.decide.stalls import tracked_requests
+    from vllm_mamba_fix.rules.zero_streaks import tracked_requests
 
     _affected(family)
     load_plugin()  # 0.28+: only the block-unit rule wraps the split

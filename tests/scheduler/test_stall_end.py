@@ -222,8 +222,7 @@ def test_an_order_for_a_moving_request_is_dropped(
     """The finish's own guard: an end order (as the decision places one) for a request that
     moved since, or is in the batch being updated, is dropped. One request, sync, so it is
     scheduled in every step until it finishes; an order before each step."""
-    from vllm_mamba_fix.decide import stalls
-    from vllm_mamba_fix.rules import end_order
+    from vllm_mamba_fix.rules import end_order, zero_streaks
 
     install_clock(monkeypatch)
     load_with_stall_end(lambda **env: load_plugin(**_env(str(BOUND)), **env))
@@ -232,7 +231,7 @@ def test_an_order_for_a_moving_request_is_dropped(
         finishes = capture_finishes(h.scheduler)
         h.add(image_request("healthy", (100, 50)))
         request = h.requests["healthy"]
-        store = stalls.ZeroStreaks()
+        store = zero_streaks.ZeroStreaks()
         orders = 0
         while not request.is_finished() and h.step_index < 50:
             streak, _ = store.zero("healthy", request.num_computed_tokens, 0.0)
@@ -240,13 +239,13 @@ def test_an_order_for_a_moving_request_is_dropped(
                 "healthy", request.num_computed_tokens, request.num_computed_tokens, store,
                 streak, "test order", f"{ENDED_PREFIX}: test",
             )  # fmt: skip
-            h.scheduler.__dict__.setdefault(end_order.ORDERS_ATTR, {})["healthy"] = order
+            end_order.order_end(h.scheduler, order)
             orders += 1
             h.step()
     assert request.is_finished() and orders >= 3
     assert not ended(finishes)
     _assert_completed(finishes, "healthy")
-    assert not h.scheduler.__dict__[end_order.ORDERS_ATTR]
+    assert not end_order.ordered(h.scheduler)
 
 
 def test_every_scheduler_class_can_end(family: Family) -> None:

@@ -225,7 +225,7 @@ def test_budget_starved_request_is_never_ended(
     reading, so every bound is past at once (the most eager the stall end can be)."""
     import dataclasses
 
-    from vllm_mamba_fix.decide import stalls
+    from vllm_mamba_fix.rules import stall_watch
 
     first, behind, cache = shape
     load_plugin(**ENV, VLLM_MAMBA_FIX_SPLIT_RULE=split_rule)
@@ -233,7 +233,7 @@ def test_budget_starved_request_is_never_ended(
         pytest.skip("the plugin runs no watchdog with the split rule off on this release")
     if split_rule == "1" and not harness.split_rule_installed():
         pytest.skip("no split rule on this release")
-    monkeypatch.setattr(stalls, "clock", Clock(per_call=100.0))
+    monkeypatch.setattr(stall_watch, "clock", Clock(per_call=100.0))
     cfg = dataclasses.replace(STARVED_CONFIG, encoder_cache_tokens=cache,
                               encoder_compute_tokens=cache)  # fmt: skip
     with update_wrapped(BOUND):

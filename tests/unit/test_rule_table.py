@@ -18,3 +18,19 @@ def test_the_running_totals_name_every_counter() -> None:
     # stalls_resolved rides only on the shutdown summary ("moved again").
     shown = [key for key in counters.KEYS if key != "stalls_resolved"]
     assert all(f"{counts[key]} " in text for key in shown)
+
+
+def test_each_rule_is_one_module_with_its_header_and_a_mirrored_test_file() -> None:
+    """A rule is one module of rules/ that opens with its header, named by the table, and
+    tests/rules/test_<module>.py mirrors it (CONTRIBUTING.md, "Layout")."""
+    import importlib
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    modules = [spec.module for spec in rules.RULES]
+    assert len(set(modules)) == len(modules)  # one module per rule
+    for spec in rules.RULES:
+        module = importlib.import_module(f"vllm_mamba_fix.rules.{spec.module}")
+        first = Path(module.__file__ or "").read_text().splitlines()[0]
+        assert first.startswith(f"# Rule:     {spec.rule.value} (Rule.{spec.rule.name} "), first
+        assert (repo / "tests" / "rules" / f"test_{spec.module}.py").is_file(), spec.module

@@ -11,10 +11,10 @@ from vllm_mamba_fix.decide.stalls import (
     WATCHDOG_MIN_STEPS,
     StallCause,
     StallReport,
-    ZeroStreaks,
     stall_cause,
     watchdog_due,
 )
+from vllm_mamba_fix.rules.zero_streaks import ZeroStreaks
 
 
 def test_release_on_the_two_stall_shapes() -> None:

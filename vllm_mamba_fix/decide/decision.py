@@ -101,8 +101,27 @@ def can_need_correction(
     The wrapper's fast path: a full chunk that stays inside its block or starts
     on a boundary (every decode step and most prefill chunks).
     """
+    return stock_tokens != num_new_tokens or crosses_next_boundary(start, stock_tokens, block_size)
+
+
+def whole_chunks_may_cross(
+    realigns: bool, split_stops_mid_block: bool, split_block: int, cache_block: int
+) -> bool:
+    """Whether a chunk vLLM's split returns whole can cross a cache boundary from mid-block,
+    so that the re-align rule must look at every whole chunk.
+
+    Never where no re-align rule runs (``realigns``). Else only where vLLM's split keeps a
+    mid-block start misaligned (0.15-0.26), or stops it at the boundaries of another block
+    than the cache's (``split_block``: the block its answer is floored in).
+    """
+    return realigns and (not split_stops_mid_block or split_block != cache_block)
+
+
+def crosses_next_boundary(start: int, tokens: int, block_size: int) -> bool:
+    """Whether ``tokens`` from a mid-block ``start`` pass the next boundary (a chunk the
+    re-align rule stops there)."""
     offset = start % block_size
-    return stock_tokens != num_new_tokens or (offset != 0 and offset + stock_tokens > block_size)
+    return offset != 0 and offset + tokens > block_size
 
 
 def configured_floor_differs(

@@ -186,11 +186,14 @@ class Preflight(enum.Enum):
 
     @property
     def waits_for_scheduler(self) -> bool:
-        return self in (Preflight.FORCED, Preflight.PROCEED)
+        """Whether ``register()`` goes on to patch the scheduler once its module is imported."""
+        return self is Preflight.FORCED or self is Preflight.PROCEED
 
 
 @dataclass(frozen=True)
 class PreflightResult:
+    """The outcome, and the one line that says why (its log level is the caller's)."""
+
     outcome: Preflight
     reason: str
 

@@ -5,29 +5,22 @@ budget, another request's image in the cache). The same 0 at the same position
 step after step is a stall. Both the rules and the watchdog ask this module.
 No vLLM import: positions, sizes and times are plain numbers.
 
-The split's 0s reach the watchdog through :func:`split_zero` and
-:func:`split_moved`, which the split wrapper calls; ending a stall is
-:mod:`vllm_mamba_fix.rules.stall_watch` and :mod:`vllm_mamba_fix.rules.stall_end`'s.
+No process state either: the stores of streaks are
+:mod:`vllm_mamba_fix.rules.zero_streaks`, the clock is the caller's (``now`` is passed in),
+and naming and ending a stall are :mod:`vllm_mamba_fix.rules.stall_watch` and
+:mod:`vllm_mamba_fix.rules.stall_end`'s.
 """
 
 from __future__ import annotations
 
 import enum
-import threading
-import time
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 # Steps at the same position before the watchdog may name a stall.
 WATCHDOG_MIN_STEPS = 3
 # A 0 that repeats at the same position is one vLLM would return forever.
 REPEATED = 2
-_MAX_TRACKED_REQUESTS = 4096
-# The watchdog's time; tests put a clock they advance here.
-clock: Callable[[], float] = time.monotonic
 
 
 @dataclass
@@ -42,56 +35,6 @@ class Streak:
     ordered: bool = False  # its request is to be ended (stall_end)
     unproven_until: float = float("-inf")  # its own inputs fit: look again from then
     window_end: int | None = None  # end of the smallest chunk it waits for (once named)
-
-
-class ZeroStreaks:
-    """Consecutive 0-token results per request, bounded in size.
-
-    Every instance is known to :func:`forget_request`, which vLLM's freeing of a
-    request calls, so no streak outlives its request.
-    """
-
-    def __init__(self, capacity: int = _MAX_TRACKED_REQUESTS) -> None:
-        # Read-only outside this class; the hot path tests it directly (a
-        # dict's truth and membership are C calls, a __bool__ is not).
-        self.by_request: OrderedDict[str, Streak] = OrderedDict()
-        self._capacity = capacity
-        self._lock = threading.Lock()
-        _all_streaks.add(self)
-
-    def zero(self, request_id: str, position: int, now: float) -> tuple[Streak, Streak | None]:
-        """Count a 0 at ``position``; returns the streak and one it ended by moving."""
-        with self._lock:
-            streak = self.by_request.pop(request_id, None)
-            moved = None
-            if streak is None or streak.position != position:
-                moved = streak
-                streak = Streak(position, 0, now)
-            streak.steps += 1
-            self.by_request[request_id] = streak
-            if len(self.by_request) > self._capacity:
-                self.by_request.popitem(last=False)
-            return streak, moved
-
-    def clear(self, request_id: str) -> Streak | None:
-        """The request got tokens: end its streak, returning it."""
-        with self._lock:
-            return self.by_request.pop(request_id, None)
-
-
-_all_streaks: weakref.WeakSet[ZeroStreaks] = weakref.WeakSet()
-
-
-def forget_request(request_id: str) -> None:
-    """The request is finished or aborted: drop its streaks everywhere."""
-    for streaks in list(_all_streaks):
-        if streaks.by_request:
-            streaks.clear(request_id)
-
-
-def tracked_requests() -> set[str]:
-    """Requests with a streak in any store (for tests and doctor)."""
-    return {rid for streaks in list(_all_streaks) for rid in list(streaks.by_request)}
 
 
 def watchdog_due(streak: Streak, now: float, seconds: float) -> bool:
@@ -303,43 +246,3 @@ class StallReport:
             f"{self.compute_budget} per step; likely cause: {why}; remedy: {remedy}"
             f"{self.end_note}"
         )
-
-
-# The split's final 0s, one streak store for every scheduler in the process.
-SPLIT_ZEROS = ZeroStreaks()
-_split_streaks = SPLIT_ZEROS.by_request
-
-
-# The watchdog's ears for the split's 0s; :mod:`vllm_mamba_fix.rules.stall_watch` plugs them in
-# when it is imported. The data flows one way: the split wrapper tells, the watchdog listens,
-# the stall end acts, so this module imports neither.
-_on_split_zero: Callable[[Any, Any, int], None] | None = None
-_on_split_moved: Callable[[str], None] | None = None
-
-
-def listen(on_zero: Callable[[Any, Any, int], None], on_moved: Callable[[str], None]) -> None:
-    """Where the split's 0s and moves go (the watchdog, once it is imported)."""
-    global _on_split_zero, _on_split_moved
-    _on_split_zero, _on_split_moved = on_zero, on_moved
-
-
-def split_zero(scheduler: Any, request: Any, position: int) -> None:
-    """The split's final answer was 0 for a prefill request that had tokens to give.
-
-    Called by the split wrapper; counts the 0 for the watchdog and the stall end
-    as the encoder wrapper counts its own. Never raises.
-    """
-    try:
-        if _on_split_zero is not None:
-            _on_split_zero(scheduler, request, position)
-    except Exception:  # the watchdog must never break the split
-        return
-
-
-def split_moved(request_id: str) -> None:
-    """The split gave tokens to a request it had given 0: a stall there is over. Never raises."""
-    try:
-        if _split_streaks and request_id in _split_streaks and _on_split_moved is not None:
-            _on_split_moved(request_id)
-    except Exception:
-        return

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_mamba_fix.doctor.report import STATUS
+from vllm_mamba_fix.doctor.report import STATUS, stall_end_text, watchdog_text
 from vllm_mamba_fix.facts.config import (
     ENV_END_STALLS_AFTER,
     ENV_MODE,
@@ -34,16 +34,6 @@ _WIDTH = 17  # the label column
 
 def _row(label: str, text: str) -> str:
     return f"{label:<{_WIDTH}} {text}".rstrip()
-
-
-def _watchdog(seconds: float | None) -> str:
-    return "stall watchdog off" if seconds is None else f"stall watchdog after {seconds:g} s"
-
-
-def _stall_end(seconds: float | None) -> str:
-    if seconds is None:
-        return "named stalls are never ended"
-    return f"a named stall no rule can end is ended {seconds:g} s after it is named"
 
 
 def _plugin_rows(data: Mapping[str, Any]) -> list[str]:
@@ -172,8 +162,8 @@ def _effective(name: str, settings: Mapping[str, Any]) -> str:
     return {
         ENV_MODE: str(settings.get("mode")),
         ENV_SCOPE: str(settings.get("scope")),
-        ENV_STALL_SECONDS: _watchdog(settings.get("stall_seconds")),
-        ENV_END_STALLS_AFTER: _stall_end(settings.get("end_stalls_after")),
+        ENV_STALL_SECONDS: watchdog_text(settings.get("stall_seconds")),
+        ENV_END_STALLS_AFTER: stall_end_text(settings.get("end_stalls_after")),
     }.get(name, "?")
 
 

@@ -126,3 +126,14 @@ def names_text(names: list[str]) -> str:
     if len(names) <= 2:
         return " and ".join(names)
     return f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+# The two stall settings in words: the settings check and --report say them alike.
+def watchdog_text(seconds: float | None) -> str:
+    return "stall watchdog off" if seconds is None else f"stall watchdog after {seconds:g} s"
+
+
+def stall_end_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "stalls no rule can end are never ended"
+    return f"a stall no rule can end is ended {seconds:g} s after it is named"

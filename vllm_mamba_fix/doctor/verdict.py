@@ -109,60 +109,81 @@ def policy(
     if needed:
         verdict = "needed-will-patch" if should_patch else "needed-will-not-patch"
         if should_patch:
-            # Code or version; only force on an unreadable version needs it by setting.
-            def basis(rule: Rule) -> str:
-                chosen = by_code.verdict(rule)
-                classes = ", ".join(needed_by.get(rule, ())) if needed_by else ""
-                if rule in PER_SCHEDULER and foreseen and rule in foreseen:
-                    return foreseen[rule]
-                if rule in PER_SCHEDULER and classes:
-                    return f"the block sizes of the built {classes}"
-                if chosen.active:
-                    return chosen.basis
-                if classes:
-                    return f"the code of {classes}"
-                return "setting"
-
-            reason = f"vLLM {version} needs " + names_text(
-                [f"{r.value} (by {basis(r)})" for r in FIX_RULES if r in needed]
-            )
+            reason = _needed_reason(version, needed, by_code, needed_by, foreseen)
     elif family.verdict is Verdict.UNKNOWN:
         verdict = "unsupported"
     elif family.verdict is not Verdict.ABSENT:
-        fixes = [
-            f"{v.rule.value} [{v.basis}: {v.reason}]"
-            for v in by_code.verdicts
-            if v.rule in FIX_RULES
-            and v.rule not in PER_SCHEDULER
-            and not (spared and v.rule is Rule.SPECULATIVE_STALL)
-        ]
-        listed = "; ".join([*fixes, spared] if spared else fixes)
-        if installed_per_scheduler and should_patch:
-            # Never "not needed" while a rule installs: say what runs and when it acts.
-            verdict = "installed-per-scheduler"
-            parts = [
-                f"{r.value} [{by_code.verdict(r).basis}: {by_code.verdict(r).reason}]"
-                for r in FIX_RULES
-                if r in installed_per_scheduler
-            ]
-            reason = (
-                f"vLLM {version} needs no rule by its code or version ({listed}); installed: "
-                f"{'; '.join(parts)}; it {ENGAGES_AT_START}"
-            )
-        else:
-            verdict = "not-needed"
-            waiting = [
-                f"{v.rule.value} [needed only where a built scheduler's Mamba KV cache block "
-                "differs from cache_config.block_size; none shows it]"
-                for v in by_code.verdicts
-                if v.rule in PER_SCHEDULER and v.active
-            ]
-            reason = f"not needed on vLLM {version}: " + "; ".join(
-                [*fixes, *waiting, spared] if spared else [*fixes, *waiting]
-            )
+        verdict, reason = _unneeded(version, by_code, spared, installed_per_scheduler,
+                                    should_patch)  # fmt: skip
     else:
         verdict = "not-needed"
     return Policy(verdict, needed, should_patch, reason)
+
+
+def _needed_reason(
+    version: str,
+    needed: frozenset[Rule],
+    by_code: Plan,
+    needed_by: Mapping[Rule, Sequence[str]] | None,
+    foreseen: Mapping[Rule, str] | None,
+) -> str:
+    """Why each needed rule is needed: code or version; only force on an unreadable version
+    needs it by setting."""
+
+    def basis(rule: Rule) -> str:
+        chosen = by_code.verdict(rule)
+        classes = ", ".join(needed_by.get(rule, ())) if needed_by else ""
+        if rule in PER_SCHEDULER and foreseen and rule in foreseen:
+            return foreseen[rule]
+        if rule in PER_SCHEDULER and classes:
+            return f"the block sizes of the built {classes}"
+        if chosen.active:
+            return chosen.basis
+        if classes:
+            return f"the code of {classes}"
+        return "setting"
+
+    return f"vLLM {version} needs " + names_text(
+        [f"{r.value} (by {basis(r)})" for r in FIX_RULES if r in needed]
+    )
+
+
+def _unneeded(
+    version: str,
+    by_code: Plan,
+    spared: str,
+    installed_per_scheduler: frozenset[Rule],
+    should_patch: bool,
+) -> tuple[str, str]:
+    """The verdict and reason where no rule is needed on an affected-family release."""
+    fixes = [
+        f"{v.rule.value} [{v.basis}: {v.reason}]"
+        for v in by_code.verdicts
+        if v.rule in FIX_RULES
+        and v.rule not in PER_SCHEDULER
+        and not (spared and v.rule is Rule.SPECULATIVE_STALL)
+    ]
+    listed = "; ".join([*fixes, spared] if spared else fixes)
+    if installed_per_scheduler and should_patch:
+        # Never "not needed" while a rule installs: say what runs and when it acts.
+        parts = [
+            f"{r.value} [{by_code.verdict(r).basis}: {by_code.verdict(r).reason}]"
+            for r in FIX_RULES
+            if r in installed_per_scheduler
+        ]
+        return "installed-per-scheduler", (
+            f"vLLM {version} needs no rule by its code or version ({listed}); installed: "
+            f"{'; '.join(parts)}; it {ENGAGES_AT_START}"
+        )
+    waiting = [
+        f"{v.rule.value} [needed only where a built scheduler's Mamba KV cache block "
+        "differs from cache_config.block_size; none shows it]"
+        for v in by_code.verdicts
+        if v.rule in PER_SCHEDULER and v.active
+    ]
+    return "not-needed", f"not needed on vLLM {version}: " + "; ".join(
+        [*fixes, *waiting, spared] if spared else [*fixes, *waiting]
+    )
 
 
 @dataclasses.dataclass(frozen=True)

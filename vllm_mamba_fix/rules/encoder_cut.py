@@ -16,42 +16,35 @@ split is asked about now; it holds ids, never the objects. No vLLM import.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
-
-class EncoderCut(NamedTuple):
-    scheduler: int  # id() of the scheduler asked: the note holds no reference
-    request: int  # id() of the request
-    computed: int  # the request's position when the check was asked
-    asked: int  # the tokens the check was asked for: the chunk before any encoder cut
-    given: int  # the tokens it gave
-
-
-# The last check's answer. vLLM asks the split right after the check, on the same thread;
-# a note of another scheduler or request (interleaved threads) matches no split: stock's.
+# The last check's answer: (id() of the scheduler asked, id() of the request, the request's
+# position when the check was asked, the tokens it was asked for (the chunk before any
+# encoder cut), the tokens it gave). Ids, so that the note holds no reference; a plain
+# tuple, since every call of the check writes one. vLLM asks the split right after the
+# check, on the same thread; a note of another scheduler or request (interleaved threads)
+# matches no split: stock's.
+EncoderCut = tuple[int, int, int, int, int]
 _last: EncoderCut | None = None
 
 
 def note(scheduler: Any, request: Any, computed: int, asked: int, given: int) -> None:
     """The encoder check of ``scheduler`` gave ``given`` of ``asked`` tokens at ``computed``."""
     global _last
-    _last = EncoderCut(id(scheduler), id(request), computed, asked, given)
+    _last = (id(scheduler), id(request), computed, asked, given)
 
 
 def uncut_tokens(scheduler: Any, request: Any, start: int, num_new_tokens: int) -> int | None:
     """The chunk the split would have been asked for without the encoder cut, where the
     encoder check cut exactly this one (``num_new_tokens`` at ``start``); else None."""
-    cut = _last
-    if (
-        cut is None
-        or cut.scheduler != id(scheduler)
-        or cut.request != id(request)
-        or cut.computed != start
-        or cut.given != num_new_tokens
-        or cut.asked <= num_new_tokens
-    ):
+    if _last is None:
         return None
-    return cut.asked
+    noted_scheduler, noted_request, computed, asked, given = _last
+    if (noted_scheduler, noted_request, computed, given) != (
+        id(scheduler), id(request), start, num_new_tokens,
+    ) or asked <= num_new_tokens:  # fmt: skip
+        return None
+    return asked
 
 
 def forget() -> None:

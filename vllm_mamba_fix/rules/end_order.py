@@ -1,23 +1,22 @@
 """The order the watchdog leaves for the stall end, and whether a scheduler can carry one out.
 
-The data flows one way: the encoder-input check and the split (through
-:mod:`vllm_mamba_fix.decide.stalls`) tell the watchdog of their 0s, the watchdog orders the end of
-a proven stall (:mod:`vllm_mamba_fix.rules.stall_watch` leaves an :class:`EndOrder` on the
-scheduler), and the stall end acts on it at the safe point (:mod:`vllm_mamba_fix.rules.stall_end`).
-Both import this module; neither imports the other. Reads vLLM's types only inside
-:func:`support`.
+The data flows one way: the encoder-input check and the split tell the watchdog of their 0s,
+the watchdog orders the end of a proven stall (:mod:`vllm_mamba_fix.rules.stall_watch` calls
+:func:`order_end`), and the stall end takes the orders at the safe point
+(:mod:`vllm_mamba_fix.rules.stall_end` calls :func:`take_orders`). Both import this module;
+neither imports the other. The orders are kept here, per scheduler and weakly, never on the
+scheduler's attributes. Reads vLLM's types only inside :func:`support`.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba_fix.decide.stalls import Streak, ZeroStreaks
+from vllm_mamba_fix.decide.stalls import Streak
 from vllm_mamba_fix.facts.targets import MARKER, UPDATE_METHOD
 
-# Per scheduler instance: request id -> EndOrder, executed by the update wrapper.
-ORDERS_ATTR = "_vllm_mamba_fix_end_orders"
 _OUTPUT_FIELDS = ("request_id", "new_token_ids", "finish_reason", "stop_reason")
 # How the message a client reads begins (stall_watch writes it; stream_end recognises it).
 CLIENT_MESSAGE_PREFIX = "vllm-mamba-fix ended this request"
@@ -28,7 +27,9 @@ class EndOrder:
     request_id: str
     position: int
     computed: int  # request.num_computed_tokens when ordered: unchanged, or no end
-    store: ZeroStreaks
+    # The rules.zero_streaks.ZeroStreaks that holds ``streak`` (not imported: the chain of
+    # imports from the table stays within the limit).
+    store: Any
     streak: Streak
     log_line: str
     message: str  # what the client reads
@@ -60,3 +61,30 @@ def support_of(scheduler: Any) -> str | None:
     if getattr(getattr(cls, UPDATE_METHOD, None), MARKER, None) is None:
         return f"the plugin's {UPDATE_METHOD} wrapper is not installed on {cls.__qualname__}"
     return support(cls)
+
+
+# Per scheduler: request id -> EndOrder, carried out by the update wrapper.
+_orders: weakref.WeakKeyDictionary[Any, dict[str, EndOrder]] = weakref.WeakKeyDictionary()
+
+
+def order_end(scheduler: Any, order: EndOrder) -> None:
+    """Leave ``order`` for the stall end of ``scheduler`` (its next ``update_from_output``)."""
+    _orders.setdefault(scheduler, {})[order.request_id] = order
+
+
+def take_orders(scheduler: Any) -> list[EndOrder]:
+    """The orders left for ``scheduler``, taken: each is carried out once or dropped."""
+    if not _orders:
+        return []
+    orders = _orders.pop(scheduler, None)
+    return list(orders.values()) if orders else []
+
+
+def ordered(scheduler: Any) -> frozenset[str]:
+    """The requests of ``scheduler`` ordered to end and not yet ended."""
+    return frozenset(_orders.get(scheduler) or ())
+
+
+def forget_orders() -> None:
+    """Drop every order (unregister(), tests)."""
+    _orders.clear()

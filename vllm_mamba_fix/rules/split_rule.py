@@ -29,15 +29,19 @@ from typing import Any
 
 from vllm_mamba_fix.decide.decision import (
     Action,
+    Decision,
     decide,
     in_prefill_by_output_tokens,
     in_prefill_by_position,
 )
 from vllm_mamba_fix.decide.scope import ScopePolicy
+from vllm_mamba_fix.facts.blocks import SplitState
 from vllm_mamba_fix.facts.targets import (
     EXTRA_COMPUTED_PARAMETERS,
     KNOWN_SPLIT_TRAILING_PARAMETERS,
     SPLIT_LEADING_PARAMETERS,
+    Args,
+    Kwargs,
 )
 from vllm_mamba_fix.facts.versions import PrefillGate
 from vllm_mamba_fix.observe import counters
@@ -78,13 +82,6 @@ class WrapOptions:
 NOT_GIVEN: Any = object()
 
 
-def given_arguments(local: int, external: int, uncached_common_prefix: int) -> tuple[int, ...]:
-    """The fast wrapper's trailing arguments, as the caller gave them."""
-    if uncached_common_prefix is NOT_GIVEN:
-        return (local, external)
-    return (local, external, uncached_common_prefix)
-
-
 def extra_computed_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     extra = sum(args[: len(EXTRA_COMPUTED_PARAMETERS)])
     for name in EXTRA_COMPUTED_PARAMETERS[len(args) :]:
@@ -103,7 +100,7 @@ def has_known_parameters(method: Callable[..., int]) -> bool:
     )
 
 
-Corrector = Callable[[Any, Any, int, int, int, int, bool, tuple[Any, ...], dict[str, Any]], int]
+Corrector = Callable[[Any, Any, int, int, int, SplitState, Args, Kwargs], int]
 
 
 def make_corrector(original: Callable[..., int], options: WrapOptions) -> Corrector:
@@ -123,55 +120,58 @@ def make_corrector(original: Callable[..., int], options: WrapOptions) -> Correc
     # Only the block-unit rule's re-align applies to a request the split rule leaves.
     realign_others = options.block_rule and options.realign and options.realign_others
 
-    def correct(
-        self: Any,
-        request: Any,
-        num_new_tokens: int,
-        stock: int,
-        start: int,
-        block_size: int,
-        beyond_chunk: bool,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> int:
+    def correct(self: Any, request: Any, asked: int, answer: int, start: int, state: SplitState,
+                args: Args, kwargs: Kwargs) -> int:  # fmt: skip
         ruled_out = not deadlock_rules or scope.rules_out(request)
-        if ruled_out and (not realign_others or not stock):
-            return stock  # re-aligning never touches a 0
-        in_prefill = (
-            in_prefill_by_position(start, request.num_prompt_tokens, request.num_tokens)
-            if by_position
-            else in_prefill_by_output_tokens(request.num_output_tokens)
-        )
-        if not in_prefill:
-            return stock
+        if ruled_out and (not realign_others or not answer):
+            return answer  # re-aligning never touches a 0
+        if not _in_prefill(by_position, request, start):
+            return answer
         uncut = None
-        if not ruled_out and stock < num_new_tokens:
-            asked = encoder_cut.uncut_tokens(self, request, start, num_new_tokens)
-            if asked is not None:
-                # 0.28's order: the split of the chunk the encoder check was asked for
-                # (its look-ahead shift is in the cut already), then the cut.
-                uncut = original(self, request, asked, *args, **kwargs)
-                if not uncut and not beyond_chunk:
-                    return stock  # 0.28 waits here too: the budget is below a block
-            elif not beyond_chunk:
-                if not stock or not realign_others:
-                    return stock  # a token-budget cut: stock's wait, as in 0.28
-                ruled_out = True  # only the re-align may still apply
-        decision = decide(stock, num_new_tokens, start, block_size, True, uncut)
-        action = decision.action
-        if action is Action.UNCHANGED:
-            return stock
-        # No boundary is exempt, not even past vLLM's EAGLE-backed-off last_cache_position:
-        # the block a mid-block start leaves behind holds the state at ``start`` and is
-        # cached as the state at the boundary once a chunk crosses it (vLLM #51113, 0.27+).
-        if action is Action.REALIGNED and not options.realign:
-            return stock
-        if ruled_out or not scope.in_scope(request):
-            if action is Action.REALIGNED and realign_others:
-                counters.record(action, request.request_id, start, decision.num_tokens, block_size)
-                return decision.num_tokens
-            return stock
-        counters.record(action, request.request_id, start, decision.num_tokens, block_size)
-        return decision.num_tokens
+        if not ruled_out and answer < asked:
+            uncut = _uncut_answer(original, self, request, start, asked, args, kwargs)
+            # An encoder cut whose uncut chunk vLLM also floors to 0: 0.28 waits there too
+            # (the budget is below a block). No encoder cut: a token-budget cut, stock's
+            # wait as in 0.28, where only the re-align may still apply.
+            wait = not uncut if uncut is not None else not answer or not realign_others
+            if not state.beyond_chunk:
+                if wait:
+                    return answer
+                ruled_out = ruled_out or uncut is None
+        decision = decide(answer, asked, start, state.size, True, uncut)
+        return _apply(options, realign_others, request, answer, start, state.size, decision,
+                      ruled_out)  # fmt: skip
 
     return correct
+
+
+def _apply(options: WrapOptions, realign_others: bool, request: Any, answer: int, start: int,
+           size: int, decision: Decision, ruled_out: bool) -> int:  # fmt: skip
+    """The decision's chunk where its rule acts on this request, counted; else vLLM's."""
+    action = decision.action
+    # No boundary is exempt, not even past vLLM's EAGLE-backed-off last_cache_position:
+    # the block a mid-block start leaves behind holds the state at ``start`` and is
+    # cached as the state at the boundary once a chunk crosses it (vLLM #51113, 0.27+).
+    if action is Action.UNCHANGED or (action is Action.REALIGNED and not options.realign):
+        return answer
+    acts = not ruled_out and options.scope.in_scope(request)
+    if not acts and not (action is Action.REALIGNED and realign_others):
+        return answer
+    counters.record(action, request.request_id, start, decision.num_tokens, size)
+    return decision.num_tokens
+
+
+def _in_prefill(by_position: bool, request: Any, start: int) -> bool:
+    if by_position:
+        return in_prefill_by_position(start, request.num_prompt_tokens, request.num_tokens)
+    return in_prefill_by_output_tokens(request.num_output_tokens)
+
+
+def _uncut_answer(split: Callable[..., int], scheduler: Any, request: Any, start: int,
+                  asked: int, args: Args, kwargs: Kwargs) -> int | None:  # fmt: skip
+    """Where the encoder check cut exactly this chunk: vLLM's split of the chunk the check was
+    asked for (0.28's order: its look-ahead shift is in the cut already). Else None."""
+    cut = encoder_cut.uncut_tokens(scheduler, request, start, asked)
+    if cut is None:
+        return None
+    return split(scheduler, request, cut, *args, **kwargs)

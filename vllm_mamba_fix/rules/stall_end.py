@@ -57,16 +57,15 @@ preemption, churn or cache entries of a request that can still move is never end
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba_fix._log import failure_reporter, logger
 from vllm_mamba_fix._log import fields as log_fields
-from vllm_mamba_fix.facts.targets import MARKER
 from vllm_mamba_fix.observe import counters
-from vllm_mamba_fix.rules.end_order import ORDERS_ATTR, EndOrder
+from vllm_mamba_fix.rules.end_order import EndOrder, take_orders
+from vllm_mamba_fix.rules.marking import marked
 
 
 @dataclass(frozen=True)
@@ -155,11 +154,9 @@ def make_update_from_output_wrapper(
     fall_back = failure_reporter("ending a stalled request")
 
     def wrapper(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        orders = self.__dict__.get(ORDERS_ATTR)
+        pending = take_orders(self)
         ended: list[tuple[int, Any]] = []
-        if orders:
-            pending = list(orders.values())
-            orders.clear()
+        if pending:
             scheduled = getattr(scheduler_output, "num_scheduled_tokens", {})
             for order in pending:
                 try:
@@ -180,6 +177,4 @@ def make_update_from_output_wrapper(
                 fall_back(exc, None)
         return outputs
 
-    functools.update_wrapper(wrapper, original)
-    setattr(wrapper, MARKER, options)
-    return wrapper
+    return marked(wrapper, original, options)

@@ -10,7 +10,7 @@
 # Removed:  with the last fix rule it watches.
 """The watchdog's two ears, the encoder-input check and the split, and the stall end's decision.
 
-A 0 of either counts in its own streak store (:mod:`vllm_mamba_fix.decide.stalls`), for
+A 0 of either counts in its own streak store (:mod:`vllm_mamba_fix.rules.zero_streaks`), for
 every request, whether or not a rule acts on it; a streak long enough is named (one
 WARNING); a named stall still there ``end_stalls_after`` seconds and two 0s later is
 ordered to end if :func:`own_inputs_proof` shows that its own encoder inputs keep it there
@@ -23,22 +23,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from vllm_mamba_fix._log import fields, logger
-from vllm_mamba_fix.decide import stalls
 from vllm_mamba_fix.decide.stalls import (
     CAUSE_TEXT,
     StallCause,
     StallReport,
     Streak,
-    ZeroStreaks,
     end_due,
     own_inputs_block,
     stall_cause,
     watchdog_due,
 )
-from vllm_mamba_fix.facts.blocks import block_size_of
 from vllm_mamba_fix.facts.config import ENV_END_STALLS_AFTER
 from vllm_mamba_fix.facts.targets import ENCODER_METHOD, MARKER, SPLIT_METHOD
 from vllm_mamba_fix.observe import counters
@@ -51,11 +51,18 @@ from vllm_mamba_fix.rules.encoder_facts import (
     own_inputs,
     own_inputs_proof,
 )
-from vllm_mamba_fix.rules.end_order import ORDERS_ATTR, EndOrder, support_of
+from vllm_mamba_fix.rules.end_order import EndOrder, order_end, ordered, support_of
+from vllm_mamba_fix.rules.split_settle import block_size_of
+from vllm_mamba_fix.rules.zero_streaks import SPLIT_ZEROS, ZeroStreaks
 
 RECHECK_SECONDS = 1.0
-# Per scheduler instance: request id -> (store, streak) of each stall named there.
-NAMED_ATTR = "_vllm_mamba_fix_named_stalls"
+# The watchdog's time, read at each 0 (``now`` goes on to decide/stalls.py's pure
+# functions); tests put a clock they advance here.
+clock: Callable[[], float] = time.monotonic
+# Per scheduler, weakly: request id -> (store, streak) of each stall named there.
+_named: weakref.WeakKeyDictionary[Any, dict[str, tuple[ZeroStreaks, Streak]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 # -- reading the scheduler ---------------------------------------------------------------
 
@@ -71,7 +78,7 @@ def _held_by_others(scheduler: Any, facts: OwnInputs | None) -> bool:
 
 def _named_stalls(scheduler: Any) -> dict[str, Stalled]:
     """The stalls named on ``scheduler`` still there (the others are forgotten)."""
-    named = scheduler.__dict__.get(NAMED_ATTR)
+    named = _named.get(scheduler)
     if not named:
         return {}
     stalled: dict[str, Stalled] = {}
@@ -86,8 +93,7 @@ def _named_stalls(scheduler: Any) -> dict[str, Stalled]:
 
 
 def _cross_proof(scheduler: Any, request: Any) -> str | None:
-    ending = frozenset(scheduler.__dict__.get(ORDERS_ATTR) or ())
-    return cross_hold_proof(scheduler, request, _named_stalls(scheduler), ending)
+    return cross_hold_proof(scheduler, request, _named_stalls(scheduler), ordered(scheduler))
 
 
 def split_window_end(scheduler: Any, request: Any, position: int) -> int:
@@ -169,7 +175,7 @@ def name_stall(
     streak.named_at = now
     streak.window_end = window_end
     _named_stalls(scheduler)  # forget the stalls that ended since
-    scheduler.__dict__.setdefault(NAMED_ATTR, {})[request.request_id] = (store, streak)
+    _named.setdefault(scheduler, {})[request.request_id] = (store, streak)
     counters.record_stall(request_id=request.request_id, stalled_for=now - streak.since)
     manager = scheduler.encoder_cache_manager
     budget = int(getattr(scheduler, "max_num_encoder_input_tokens", manager.cache_size))
@@ -193,22 +199,7 @@ def name_stall(
         if _held_by_others(scheduler, facts):
             cause = StallCause.SHARED_CACHE
     streak.cause = cause
-    note = ""
-    if end_after is not None:
-        why_not = support_of(scheduler) if proof else None
-        if proof is None:
-            note = (
-                "; not ended while its own encoder inputs fit and it may be waiting for "
-                "cache space or budget that a request which can still move holds: only if "
-                "every request holding that space is stalled on a hold too (a deadlock)"
-            )
-        elif why_not:
-            note = f"; {proof}; not ended: {why_not}"
-        else:
-            note = (
-                f"; {proof}; the plugin ends it {end_after:g} s from now if it has not moved "
-                f"({ENV_END_STALLS_AFTER}=off keeps it)"
-            )
+    note = "" if end_after is None else _end_note(scheduler, proof, end_after)
     report = dataclasses.replace(report, cause=cause, end_note=note)
     extra = fields(
         "stall-named", request_id=report.request_id, position=report.position,
@@ -216,6 +207,23 @@ def name_stall(
         steps=report.steps,
     )  # fmt: skip
     logger.warning("vllm-mamba-fix: %s", report.message(), extra=extra)
+
+
+def _end_note(scheduler: Any, proof: str | None, end_after: float) -> str:
+    """What the stall end will do with a stall just named, for its WARNING."""
+    if proof is None:
+        return (
+            "; not ended while its own encoder inputs fit and it may be waiting for "
+            "cache space or budget that a request which can still move holds: only if "
+            "every request holding that space is stalled on a hold too (a deadlock)"
+        )
+    why_not = support_of(scheduler)
+    if why_not:
+        return f"; {proof}; not ended: {why_not}"
+    return (
+        f"; {proof}; the plugin ends it {end_after:g} s from now if it has not moved "
+        f"({ENV_END_STALLS_AFTER}=off keeps it)"
+    )
 
 
 def consider(
@@ -258,33 +266,62 @@ def consider(
     )
     order = EndOrder(rid, streak.position, request.num_computed_tokens, store, streak,
                      log_line, message)  # fmt: skip
-    orders = scheduler.__dict__.setdefault(ORDERS_ATTR, {})
-    orders[rid] = order
+    order_end(scheduler, order)
 
 
-def on_split_zero(scheduler: Any, request: Any, position: int) -> None:
+def split_zero(scheduler: Any, request: Any, position: int) -> None:
+    """The split's final answer was 0 for a prefill request that had tokens to give: counted
+    as the encoder check's 0s are. Called by the split wrapper; never raises."""
+    try:
+        _hear_split_zero(scheduler, request, position)
+    except Exception:  # the watchdog must never break the split
+        return
+
+
+def split_moved(request_id: str) -> None:
+    """The split gave tokens to a request it had given 0: a stall there is over. Never raises."""
+    try:
+        streak = SPLIT_ZEROS.clear(request_id)
+        if streak is not None and streak.warned:
+            log_moving_again(request_id, streak.position)
+    except Exception:
+        return
+
+
+def _hear_split_zero(scheduler: Any, request: Any, position: int) -> None:
     options = getattr(getattr(type(scheduler), ENCODER_METHOD, None), MARKER, None)
     seconds = getattr(options, "stall_seconds", None)
     if seconds is None:  # every request's stop is heard, in scope of a rule or not
         return
-    now = stalls.clock()
+    now = clock()
     rid = request.request_id
-    streak, moved = stalls.SPLIT_ZEROS.zero(rid, position, now)
+    streak, moved = SPLIT_ZEROS.zero(rid, position, now)
     if moved is not None and moved.warned:
         log_moving_again(rid, moved.position)
-    end_after = options.end_stalls_after
+    if not streak.warned and not watchdog_due(streak, now, seconds):
+        return  # a budget wait, most likely: nothing to read yet
     window_end = split_window_end(scheduler, request, position)
+    end_after = options.end_stalls_after
+    hear(scheduler, request, SPLIT_ZEROS, streak, now, seconds, end_after, window_end, None)
+
+
+def hear(
+    scheduler: Any,
+    request: Any,
+    store: ZeroStreaks,
+    streak: Streak,
+    now: float,
+    seconds: float,
+    end_after: float | None,
+    window_end: int,
+    speculative: bool | None,
+) -> None:
+    """Another 0 of ``streak``: name it once it is due, then consider ending it."""
     if streak.warned:
         if end_after is not None:
-            consider(scheduler, request, stalls.SPLIT_ZEROS, streak, now, end_after, window_end)
+            consider(scheduler, request, store, streak, now, end_after, window_end)
     elif watchdog_due(streak, now, seconds):
-        name_stall(scheduler, request, stalls.SPLIT_ZEROS, streak, now, end_after, window_end, None)
-
-
-def on_moved(store: ZeroStreaks, request_id: str) -> None:
-    streak = store.clear(request_id)
-    if streak is not None and streak.warned:
-        log_moving_again(request_id, streak.position)
+        name_stall(scheduler, request, store, streak, now, end_after, window_end, speculative)
 
 
 def log_moving_again(request_id: str, position: int) -> None:
@@ -297,4 +334,6 @@ def log_moving_again(request_id: str, position: int) -> None:
     )
 
 
-stalls.listen(on_split_zero, lambda request_id: on_moved(stalls.SPLIT_ZEROS, request_id))
+def forget_named() -> None:
+    """Drop every named stall (unregister(), tests)."""
+    _named.clear()

@@ -1,8 +1,9 @@
 """The rule table: every rule the plugin can install, and every method that carries rules.
 
-One frozen :class:`RuleSpec` per rule says what it is (its name), where it runs (the
-Scheduler method whose wrapper carries it), how its need is decided (a function of
-:mod:`vllm_mamba_fix.decide.policy`), its switch and its ``stats()`` keys. One
+One frozen :class:`RuleSpec` per rule says what it is (its name), which module of this
+folder holds it, where it runs (the Scheduler method whose wrapper carries it), how its need
+is decided (a function of :mod:`vllm_mamba_fix.decide.policy`), its switch and its
+``stats()`` keys. One
 :class:`MethodSpec` per wrapped method says how its wrapper is built and which of its
 rules a built wrapper carries. ``patch``, ``plugin``, doctor and the docs'
 configuration table read these tables; adding a rule touches its own module in this
@@ -55,6 +56,7 @@ from vllm_mamba_fix.rules.wrappers import WrapOptions, make_wrapper
 @dataclass(frozen=True)
 class RuleSpec:
     rule: Rule
+    module: str  # its module in this folder: header, when it applies, what it does per call
     method: str  # the Scheduler method whose wrapper carries it
     decide: Callable[[Facts, Earlier], RuleVerdict]  # decided in table order
     switch: str  # the variable that turns it off (config.ALL_VARIABLES)
@@ -76,24 +78,24 @@ class MethodSpec:
 
 RULES: tuple[RuleSpec, ...] = (
     RuleSpec(
-        Rule.SPLIT, SPLIT_METHOD, split_verdict, ENV_SPLIT_RULE,
+        Rule.SPLIT, "split_rule", SPLIT_METHOD, split_verdict, ENV_SPLIT_RULE,
         ("collapses_prevented", "chunks_realigned", "chunks_stopped_at_encoder_input"),
         fixes=True,
     ),
     RuleSpec(
-        Rule.BLOCK_UNIT, SPLIT_METHOD, block_unit_verdict, ENV_BLOCK_RULE,
+        Rule.BLOCK_UNIT, "block_unit", SPLIT_METHOD, block_unit_verdict, ENV_BLOCK_RULE,
         ("block_rule_chunks", "chunks_realigned"), fixes=True,
     ),
     RuleSpec(
-        Rule.SPECULATIVE_STALL, ENCODER_METHOD, speculative_verdict, ENV_MODE,
-        ("speculative_stalls_released",), fixes=True,
+        Rule.SPECULATIVE_STALL, "speculative_stall", ENCODER_METHOD, speculative_verdict,
+        ENV_MODE, ("speculative_stalls_released",), fixes=True,
     ),
     RuleSpec(
-        Rule.STALL_WATCHDOG, ENCODER_METHOD, watchdog_verdict, ENV_STALL_SECONDS,
+        Rule.STALL_WATCHDOG, "stall_watch", ENCODER_METHOD, watchdog_verdict, ENV_STALL_SECONDS,
         ("stalls_detected", "stalls_resolved"), fixes=False,
     ),
     RuleSpec(
-        Rule.STALL_END, UPDATE_METHOD, stall_end_verdict, ENV_END_STALLS_AFTER,
+        Rule.STALL_END, "stall_end", UPDATE_METHOD, stall_end_verdict, ENV_END_STALLS_AFTER,
         ("stalls_ended",), fixes=False,
     ),
 )  # fmt: skip

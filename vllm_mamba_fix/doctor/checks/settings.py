@@ -8,20 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_mamba_fix.doctor.report import Report
+from vllm_mamba_fix.doctor.report import Report, stall_end_text, watchdog_text
 from vllm_mamba_fix.facts import config
 from vllm_mamba_fix.facts.config import Settings
 from vllm_mamba_fix.rules import table as rules
-
-
-def watchdog_text(seconds: float | None) -> str:
-    return "stall watchdog off" if seconds is None else f"stall watchdog after {seconds:g} s"
-
-
-def stall_end_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "stalls no rule can end are never ended"
-    return f"a stall no rule can end is ended {seconds:g} s after it is named"
 
 
 def switches(settings: Settings) -> dict[str, dict[str, Any]]:

@@ -13,7 +13,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_mamba_fix._log import logger
-from vllm_mamba_fix.decide import stalls
 from vllm_mamba_fix.decide.stalls import (
     REPEATED,
     StallCause,
@@ -21,11 +20,10 @@ from vllm_mamba_fix.decide.stalls import (
     Streak,
     end_due,
     own_inputs_block,
-    split_moved,
-    split_zero,
 )
 from vllm_mamba_fix.facts.targets import MARKER
-from vllm_mamba_fix.rules import end_order, stall_end
+from vllm_mamba_fix.rules import end_order, stall_end, zero_streaks
+from vllm_mamba_fix.rules.stall_watch import split_moved, split_zero
 
 
 def test_the_proof_on_the_stall_shapes() -> None:
@@ -91,7 +89,7 @@ def test_the_split_ears_never_raise() -> None:
     assert split_zero(object(), object(), -1) is None
     assert split_moved("never-seen") is None
     assert split_moved(None) is None  # type: ignore[arg-type]
-    assert "never-seen" not in stalls.tracked_requests()
+    assert "never-seen" not in zero_streaks.tracked_requests()
 
 
 def test_the_report_says_what_the_plugin_does() -> None:
@@ -150,16 +148,16 @@ def test_a_failing_end_gives_one_warning_and_vllms_result() -> None:
     wrapper, host, out = _wrapped(), _Host(), _Output()
     host.requests = None  # type: ignore[assignment]  # reading it fails inside the end
     streak = Streak(3, 5, 0.0)
-    order = end_order.EndOrder("r", 3, 3, stalls.ZeroStreaks(), streak, "line", "message")
+    order = end_order.EndOrder("r", 3, 3, zero_streaks.ZeroStreaks(), streak, "line", "message")
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     logger.addHandler(handler)
     try:
         for _ in range(2):
-            host.__dict__[end_order.ORDERS_ATTR] = {"r": order}
+            end_order.order_end(host, order)
             assert wrapper(host, out, "runner") == {"outputs": (out, "runner")}
-            assert not host.__dict__[end_order.ORDERS_ATTR]  # dropped, not retried forever
+            assert not end_order.ordered(host)  # dropped, not retried forever
     finally:
         logger.removeHandler(handler)
     messages = [r.getMessage() for r in records]
@@ -182,12 +180,14 @@ def test_an_end_that_fails_for_one_order_leaves_every_order_of_the_step_orderabl
     wrapper, host, out = _wrapped(), _Host(), _Output()
     host.requests = None  # type: ignore[assignment]  # every end fails to read it
     orders = {
-        rid: end_order.EndOrder(rid, 3, 3, stalls.ZeroStreaks(), Streak(3, 5, 0.0), "l", "m")
+        rid: end_order.EndOrder(rid, 3, 3, zero_streaks.ZeroStreaks(), Streak(3, 5, 0.0), "l", "m")
         for rid in ("a", "b", "c")
     }
     for order in orders.values():
         order.streak.ordered = True
-    host.__dict__[end_order.ORDERS_ATTR] = dict(orders)
+    for order in orders.values():
+        end_order.order_end(host, order)
+    assert end_order.ordered(host) == {"a", "b", "c"}
     assert wrapper(host, out, "runner") == {"outputs": (out, "runner")}
-    assert not host.__dict__[end_order.ORDERS_ATTR]
+    assert not end_order.ordered(host)
     assert [o.streak.ordered for o in orders.values()] == [False, False, False]

@@ -1,0 +1,143 @@
+"""rules/split_rule.py: the split rule's corrector, per call, on plain numbers.
+
+The split is a function of plain numbers with vLLM 0.26+'s shape (a chunk that is not the
+prompt's last ends on a block boundary, a mid-block start stops at the next one), so each
+case shows what the rule does with the answer vLLM would give. The rule on the real
+Scheduler, stock against 0.28.0: tests/scheduler/ and tests/properties/test_regressions.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from vllm_mamba_fix.decide.scope import ScopePolicy
+from vllm_mamba_fix.facts.blocks import SplitState
+from vllm_mamba_fix.facts.config import Scope
+from vllm_mamba_fix.facts.versions import PrefillGate
+from vllm_mamba_fix.observe import counters
+from vllm_mamba_fix.rules import encoder_cut
+from vllm_mamba_fix.rules.split_rule import WrapOptions, make_corrector
+
+BLOCK = 256
+PROMPT = 2000
+
+
+def vllm_split(scheduler: Any, request: Any, num_new_tokens: int, *_: Any) -> int:
+    """0.26+'s floor: the chunk's end to a boundary, and a mid-block start to the next one."""
+    start = request.num_computed_tokens
+    end = start + num_new_tokens
+    if end >= request.num_prompt_tokens:
+        return num_new_tokens
+    if start % BLOCK:
+        return min(num_new_tokens, BLOCK - start % BLOCK)
+    return end // BLOCK * BLOCK - start
+
+
+def request(rid: str = "r", at: int = 0, images: bool = True) -> Any:
+    return SimpleNamespace(
+        request_id=rid, num_computed_tokens=at, num_prompt_tokens=PROMPT, num_tokens=PROMPT,
+        num_output_tokens=0, has_encoder_inputs=images,
+    )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def clean() -> Iterator[None]:
+    counters.reset()
+    encoder_cut.forget()
+    yield
+    encoder_cut.forget()
+
+
+def correct(req: Any, asked: int, beyond: bool = False, **options: Any) -> int:
+    wrap = WrapOptions(PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL), **options)
+    scheduler = object.__new__(type("Scheduler", (), {}))
+    if "cut_from" in req.__dict__:  # the encoder check cut this chunk from a longer one
+        encoder_cut.note(scheduler, req, req.num_computed_tokens, req.cut_from, asked)
+    answer = vllm_split(scheduler, req, asked)
+    state = SplitState(BLOCK, beyond_chunk=beyond)
+    fix = make_corrector(vllm_split, wrap)
+    return fix(scheduler, req, asked, answer, req.num_computed_tokens, state, (), {})
+
+
+def test_an_encoder_cut_under_a_block_ends_at_the_cut_not_at_0() -> None:
+    """The seed: the check cut [0, 300) to [0, 100) before an image it could not take; the
+    floor makes 0, which stock returns forever. 0.28 splits [0, 300) first: 256, cut at 100."""
+    req = request()
+    req.cut_from = 300
+    assert vllm_split(None, req, 100) == 0
+    assert correct(req, 100) == 100
+    assert counters.stats()["collapses_prevented"] == 1
+
+
+def test_an_encoder_cut_past_a_boundary_ends_at_the_cut() -> None:
+    req = request()
+    req.cut_from = 900
+    assert vllm_split(None, req, 600) == 512
+    assert correct(req, 600) == 600  # 0.28: split [0, 900) = 768, then the cut at 600
+    assert counters.stats()["chunks_stopped_at_encoder_input"] == 1
+
+
+def test_a_cut_whose_uncut_chunk_is_below_a_block_waits_as_0_28_does() -> None:
+    req = request()
+    req.cut_from = 200  # the budget: 0.28's split of [0, 200) is 0 too
+    assert correct(req, 100) == 0
+    assert counters.stats()["collapses_prevented"] == 0
+
+
+def test_a_token_budget_cut_stays_stocks_wait() -> None:
+    assert correct(request(), 100) == 0  # no encoder cut noted: the budget's
+    assert correct(request(at=256), 600) == 512  # a longer one: stock's chunk
+
+
+def test_a_budget_cut_beyond_the_longest_chunk_progresses_to_the_boundary() -> None:
+    """0.15-0.26 with a block no chunk reaches: that 0 never clears."""
+    assert correct(request(at=100), 100, beyond=True) == 100
+    assert correct(request(), 100, beyond=True) == 100
+
+
+def test_a_note_of_another_request_or_position_is_no_cut() -> None:
+    req = request()
+    other = request("other")
+    encoder_cut.note(object(), other, 0, 300, 100)
+    assert correct(req, 100) == 0
+    moved = request(at=10)
+    moved.cut_from = 300
+    assert correct(moved, 100) == 100  # its own note, at its own position
+
+
+def test_a_text_request_is_out_of_the_multimodal_scope() -> None:
+    req = request(images=False)
+    req.cut_from = 300
+    assert correct(req, 100) == 0
+
+
+def test_a_mid_block_chunk_crossing_a_boundary_is_re_aligned() -> None:
+    """0.15-0.25 floor the chunk's length, not its end: [100, 612) would cache block 1 with
+    the state at 100. The rule stops it at 256."""
+
+    def length_floor(scheduler: Any, req: Any, num_new_tokens: int, *_: Any) -> int:
+        return num_new_tokens // BLOCK * BLOCK
+
+    req = request(at=100)
+    wrap = WrapOptions(PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL))
+    fix = make_corrector(length_floor, wrap)
+    answer = length_floor(None, req, 600)
+    assert answer == 512
+    assert fix(None, req, 600, answer, 100, SplitState(BLOCK), (), {}) == 156
+    assert counters.stats()["chunks_realigned"] == 1
+    off = WrapOptions(PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL), realign=False)
+    assert (
+        make_corrector(length_floor, off)(None, req, 600, 512, 100, SplitState(BLOCK), (), {})
+        == 512
+    )
+
+
+def test_a_decode_is_never_corrected() -> None:
+    req = request(at=PROMPT)
+    req.cut_from = 10
+    assert correct(req, 1) == 1
+    assert counters.stats() == dict.fromkeys(counters.KEYS, 0)

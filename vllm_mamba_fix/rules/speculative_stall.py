@@ -1,0 +1,87 @@
+# Rule:     speculative-stall (Rule.SPECULATIVE_STALL in rules/table.py; off with VLLM_MAMBA_FIX=0)
+# Answers:  the speculative stall under EAGLE-type speculation: from 0.24.0 vLLM frees an
+#           encoder input only past the drafter's look-ahead (vLLM #46315) and cuts before the
+#           next one by that shift, so a request whose images sit closer than that parks at 0
+#           tokens (reported on vLLM #47738 and vllm-ascend #17195).
+# Runs on:  0.24.0-0.32.x; before 0.24 the model runner asserts on an encoder-cache miss, so
+#           the watchdog names such a stall and the stall end ends it instead.
+# Decided:  by the scheduler class's code (facts/evidence.py: an encoder free deferred by a
+#           look-ahead), by the version where it cannot tell (decide/policy.py:
+#           speculative_verdict).
+# Removed:  0.33.0 frees without the delay and cuts without the shift: the rule goes with the
+#           last supported 0.32. Its carrier, rules/encoder_wrapper.py, stays the watchdog's
+#           ear on the encoder-input check while the watchdog runs (rules/stall_watch.py).
+"""The speculative-stall rule, per 0 of the encoder-input check (its carrier:
+:mod:`vllm_mamba_fix.rules.encoder_wrapper`).
+
+When it applies: the check gave 0 tokens twice at the same position of an in-scope request,
+and either the inputs it holds keep the shifted cut from passing the next one
+(:func:`vllm_mamba_fix.decide.decision.speculative_stall_release`) or two uncached inputs sit
+within the drafter's shift (:func:`vllm_mamba_fix.decide.decision.unshifted_cut_needed`).
+What it does: frees the held inputs the request is past, through vLLM's own path, and asks the
+check again without the shift; a retry that gives tokens is the answer. No vLLM import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vllm_mamba_fix.decide.decision import Action, speculative_stall_release, unshifted_cut_needed
+from vllm_mamba_fix.decide.stalls import REPEATED, Streak
+from vllm_mamba_fix.observe import counters
+from vllm_mamba_fix.rules.split_settle import block_size_of
+
+EncoderResult = tuple[Any, ...]
+
+
+def _placeholder(request: Any, input_id: int) -> tuple[int, int]:
+    position = request.mm_features[input_id].mm_position
+    return position.offset, position.length
+
+
+def stalled_inputs(
+    scheduler: Any, request: Any, computed: int, shift: int, streak: Streak
+) -> tuple[bool, tuple[int, ...]]:
+    """Whether this 0 is the speculative stall, and the held inputs to free to end it."""
+    manager = scheduler.encoder_cache_manager
+    held = {i: _placeholder(request, i) for i in sorted(manager.get_cached_input_ids(request))}
+    release = speculative_stall_release(computed, shift, held)
+    if release.stalled:
+        return True, tuple(release.to_free)
+    if streak.steps < REPEATED:  # the unshifted case is looked for once the 0 repeats
+        return False, ()
+    placed = {i: _placeholder(request, i) for i in range(len(request.mm_features))}
+    return unshifted_cut_needed(computed, shift, placed, held), tuple(release.to_free)
+
+
+def _free_encoder_input(scheduler: Any, request: Any, input_id: int) -> None:
+    """Free through vLLM's own path, so the freed entry reaches the workers as usual."""
+    free = getattr(scheduler, "_free_encoder_input", None)  # 0.32+: also tells the EC connector
+    if free is not None:
+        free(request, input_id)
+    else:
+        scheduler.encoder_cache_manager.free_encoder_input(request, input_id)
+
+
+def release(
+    check: Callable[..., EncoderResult],
+    scheduler: Any,
+    request: Any,
+    computed: int,
+    asked: int,
+    encoder_budget: int,
+    to_free: tuple[int, ...],
+) -> EncoderResult | None:
+    """Free ``to_free`` and ask vLLM's ``check`` again without the shift; its answer if it
+    gives tokens, else None."""
+    for input_id in to_free:
+        _free_encoder_input(scheduler, request, input_id)
+    retry = check(scheduler, request, computed, asked, encoder_budget, 0)
+    if not retry[1]:
+        return None
+    counters.record(
+        Action.SPECULATIVE_STALL_RELEASED, request.request_id, computed, retry[1],
+        block_size_of(scheduler),
+    )  # fmt: skip
+    return retry

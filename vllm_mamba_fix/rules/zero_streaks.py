@@ -1,0 +1,76 @@
+"""The stores of zero-token streaks: the watchdog's memory of who got 0 tokens, and since when.
+
+Two kinds of store count 0s per request: one per encoder-check wrapper (its 0s) and
+:data:`SPLIT_ZEROS`, for the split's final 0s of every scheduler in the process. A streak
+is plain data (:class:`vllm_mamba_fix.decide.stalls.Streak`); when a 0 is a stall is
+decided there, from plain numbers. The stores are process state, so they live here, with
+the rules that fill them, and not in ``decide/``. Every store is known to
+:func:`forget_request`, which vLLM's freeing of a request calls: no streak outlives its
+request. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+
+from vllm_mamba_fix.decide.stalls import Streak
+
+MAX_TRACKED_REQUESTS = 4096
+
+
+class ZeroStreaks:
+    """Consecutive 0-token results per request, bounded in size."""
+
+    def __init__(self, capacity: int = MAX_TRACKED_REQUESTS) -> None:
+        # Read-only outside this class; the hot path tests it directly (a dict's truth and
+        # membership are C calls, a __bool__ is not).
+        self.by_request: OrderedDict[str, Streak] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        _all_stores.add(self)
+
+    def zero(self, request_id: str, position: int, now: float) -> tuple[Streak, Streak | None]:
+        """Count a 0 at ``position``; returns the streak and one it ended by moving."""
+        streak = self.by_request.get(request_id)
+        if streak is not None and streak.position == position:
+            # Another 0 where it stood (a request waiting for budget, every step): counted in
+            # place; only the scheduler's thread counts a request's 0s.
+            streak.steps += 1
+            self.by_request.move_to_end(request_id)
+            return streak, None
+        with self._lock:
+            streak = self.by_request.pop(request_id, None)
+            moved = None
+            if streak is None or streak.position != position:
+                moved = streak
+                streak = Streak(position, 0, now)
+            streak.steps += 1
+            self.by_request[request_id] = streak
+            if len(self.by_request) > self._capacity:
+                self.by_request.popitem(last=False)
+            return streak, moved
+
+    def clear(self, request_id: str) -> Streak | None:
+        """The request got tokens: end its streak, returning it."""
+        with self._lock:
+            return self.by_request.pop(request_id, None)
+
+
+_all_stores: weakref.WeakSet[ZeroStreaks] = weakref.WeakSet()
+
+# The split's final 0s, one store for every scheduler in the process.
+SPLIT_ZEROS = ZeroStreaks()
+
+
+def forget_request(request_id: str) -> None:
+    """The request is finished or aborted: drop its streaks everywhere."""
+    for store in list(_all_stores):
+        if store.by_request:
+            store.clear(request_id)
+
+
+def tracked_requests() -> set[str]:
+    """Requests with a streak in any store (for tests and doctor)."""
+    return {rid for store in list(_all_stores) for rid in list(store.by_request)}
