@@ -30,13 +30,15 @@ def run_task(task: str, profile: str) -> Any:
 
         return sched_steps.run_arm_here(task.removeprefix("steps:"), profile)
     if task == "hotpath":
-        from benchmarks import hotpath
+        from benchmarks import engaged, hotpath
         from tools import sched_harness
 
         sched_harness.unload_plugin()
         sched_harness.load_plugins()
         try:
-            return hotpath.run(profile)
+            measures = hotpath.run(profile)
+            # Issue 29 item 5: the block-unit rule engaged next to idle, per call and per step.
+            return {**measures, "engaged": hotpath.guarded(engaged.run, profile)}
         finally:
             sched_harness.unload_plugin()
     if task == "split_calls":  # another release's split (run.py puts its overlay first)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
+from tools import seed_workload
 from tools.procs import kill_group
 from tools.tiny_model import build, demo_images, image_prompt, shim_env
 from tools.tiny_videos import demo_videos, video_prompt
@@ -384,21 +385,6 @@ def spec_counts(llm: Any) -> dict[str, int] | None:
     return counts
 
 
-def zero_mamba_states(worker: Any) -> int:
-    """Runs in each worker (``collective_rpc``): zero every Mamba layer's cached states, all
-    blocks. Returns the number of state tensors zeroed."""
-    from vllm.model_executor.layers.mamba.abstract import MambaBase
-
-    zeroed = 0
-    context = worker.model_runner.compilation_config.static_forward_context
-    for layer in context.values():
-        if isinstance(layer, MambaBase):
-            for state in layer.kv_cache:
-                state.zero_()
-                zeroed += 1
-    return zeroed
-
-
 def _step(engine: Any, done: dict[str, Any]) -> list[Any]:
     outputs = engine.step()
     done.update((output.request_id, output) for output in outputs if output.finished)
@@ -431,7 +417,6 @@ def _worker(spec_path: str) -> int:
         llm = LLM(model=spec["model"], **engine)
         params = SamplingParams(temperature=0.0, max_tokens=phase["max_tokens"], ignore_eos=True)
         if phase.get("conversations"):
-            from tools import seed_workload
 
             def emit(result: dict[str, Any]) -> None:
                 print(RESULT_TAG + json.dumps(result), flush=True)
@@ -453,7 +438,8 @@ def _worker(spec_path: str) -> int:
                 prompt.setdefault("multi_modal_data", {})["video"] = [clips[i] for i in video_ids]
             if request.get("cold") and not llm.reset_prefix_cache():
                 raise RuntimeError(f"request {index}: vLLM did not reset the prefix cache")
-            if request.get("break_mamba") and not all(llm.collective_rpc(zero_mamba_states)):
+            breaks = request.get("break_mamba")
+            if breaks and not all(llm.collective_rpc(seed_workload.zero_mamba_states)):
                 raise RuntimeError(f"request {index}: no Mamba state to break")
             before = spec_counts(llm)
             t0 = time.monotonic()

@@ -1,12 +1,16 @@
-"""The longest import chain among the package's own modules, read with grimp.
+"""Import cycles in the tree, and the longest import chain among the package's modules, read
+with grimp.
 
 grimp is import-linter's graph builder, so the graph is the one ``lint-imports`` checks: every
 ``import`` statement of a module counts, at the top or inside a function, ``TYPE_CHECKING``
-blocks included; importing a submodule does not count as importing its package. A chain is
-a path of direct imports, counted in modules (``a -> b -> c`` is 3). CONTRIBUTING.md,
-"Layout", keeps it at most :data:`LIMIT`; ``tests/unit/test_import_chain.py`` checks it.
+blocks included; importing a submodule does not count as importing its package. No module of
+the tree (:data:`TREE`: the package, ``tools`` and ``benchmarks``, and the imports between
+them) imports another in a circle. A chain is a path of direct imports, counted in modules
+(``a -> b -> c`` is 3); the package's longest is at most :data:`LIMIT` (CONTRIBUTING.md,
+"Layout"). ``tests/unit/test_import_chain.py`` checks both.
 
-    python -m tools.import_chain            the longest chain, and exit 1 above the limit
+    python -m tools.import_chain            the longest chain, and exit 1 on a cycle in the
+                                            tree or a chain above the limit
     python -m tools.import_chain --all      also each module's longest chain, longest first
 """
 
@@ -17,16 +21,21 @@ import sys
 from collections.abc import Iterable, Mapping
 
 PACKAGE = "vllm_mamba_fix"
+# Every top-level package of the repository: the plugin, the harnesses, the benchmarks.
+TREE: tuple[str, ...] = (PACKAGE, "tools", "benchmarks")
 LIMIT = 9
 
 Graph = Mapping[str, Iterable[str]]
 
 
-def import_graph(package: str = PACKAGE) -> dict[str, set[str]]:
-    """Per module of ``package``, the modules of ``package`` it imports directly."""
+def import_graph(*packages: str) -> dict[str, set[str]]:
+    """Per module of ``packages`` (default: the package), the modules of ``packages`` it
+    imports directly. The packages must be importable (the repository root on the path)."""
     import grimp
 
-    graph = grimp.build_graph(package, include_external_packages=False, cache_dir=None)
+    graph = grimp.build_graph(
+        *(packages or (PACKAGE,)), include_external_packages=False, cache_dir=None
+    )
     return {
         module: set(graph.find_modules_directly_imported_by(module)) for module in graph.modules
     }
@@ -98,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="each module's longest chain too")
     parser.add_argument("--limit", type=int, default=LIMIT, help=f"default {LIMIT}")
     args = parser.parse_args(argv)
-    graph = import_graph()
-    cycle = find_cycle(graph)
+    cycle = find_cycle(import_graph(*TREE))
     if cycle is not None:
         print("import cycle: " + " -> ".join(short_name(m) for m in cycle))
         return 1
+    graph = import_graph()
     chains = longest_chains(graph)
     if args.all:
         for module in sorted(chains, key=lambda m: (-len(chains[m]), m)):

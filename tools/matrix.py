@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from tools import matrix_cache, releases
+from tools.releases import CI_MODES, default_releases  # defined with the release list
 
 REPO = Path(__file__).resolve().parent.parent
 REPORT_ENV = "VLLM_MAMBA_FIX_MATRIX_REPORT"
@@ -49,31 +50,6 @@ README_END = "<!-- matrix:end -->"
 COMPATIBILITY_DOC = REPO / "docs" / "compatibility.md"  # where --readme writes by default
 # tools.sched_harness.MODES, by name (that module imports vLLM; the unit test pins the two).
 ALL_MODES: tuple[str, ...] = ("sync", "async", "sync+mtp2", "async+mtp2")
-
-
-# CI: one release per family (vllm_mamba_fix.facts.versions.FAMILIES) and the modes it runs there.
-# Every mode on 0.27.1, the last affected release. Elsewhere sync, plus sync+mtp2 on 0.28.0:
-# on 0.28-0.32 the speculative-stall rule is all the plugin does, and it needs MTP to act.
-# The newest family is represented by the newest release (0.34.0), which is what a new
-# deployment installs; 0.33.0 stays in the exhaustive run.
-# The exhaustive runs (every mode, 21 releases) stay `python -m tools.matrix` (--all: every one).
-# The differential suite (tests/properties/test_differential.py) is in each release's base cell
-# and runs every mode there, whatever this table says; on 0.15-0.27 it also runs each workload
-# on stock 0.28.0, and under MTP on 0.24-0.32 on stock 0.33.0 (one process per fixed release
-# and pytest run: tests/properties/_reference.py), so CI needs those two overlays too.
-CI_MODES: dict[str, str] = {
-    "0.15.1": "sync", "0.19.1": "sync", "0.25.1": "sync", "0.26.0": "sync",
-    "0.27.1": "all", "0.28.0": "sync,sync+mtp2", "0.34.0": "sync",
-}  # fmt: skip
-
-
-def default_releases() -> list[str]:
-    """The first affected release, then the latest patch of every minor 0.15 ... 0.34."""
-    latest: dict[tuple[int, int], str] = {}
-    for release in releases.ALL_RELEASES:
-        major, minor, _ = (int(x) for x in release.split("."))
-        latest[(major, minor)] = release  # ALL_RELEASES is sorted
-    return ["0.15.0", *latest.values()]
 
 
 # --------------------------------------------------------------------------

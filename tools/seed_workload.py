@@ -13,8 +13,7 @@ A phase with ``conversations`` (``tools.engine_demo.Phase``) runs this instead o
   the same engine, one at a time;
 * then the first and the last turn of the first conversation three times more: cold again
   (``prime``), warm (a hit on what that cached), and warm after every cached Mamba state was
-  zeroed (``broken``, ``tools.engine_demo.zero_mamba_states``): the tokens depend on the
-  cached state.
+  zeroed (``broken``, :func:`zero_mamba_states`): the tokens depend on the cached state.
 
 Each turn prints one ``DEMO-RESULT`` line: its prompt, images, tokens, hit, whether it was
 aborted, and vLLM's speculative-decoding and preemption counters over the step loop it ran in;
@@ -124,8 +123,6 @@ def run(llm: Any, phase: dict[str, Any], images: list[Any], params: Any, emit, c
         emit(_result(name, sent, "cold"))
     # Conversation 0's first and last turns again: primed cold, warm (a hit on the primed blocks),
     # then warm over zeroed Mamba states.
-    from tools.engine_demo import zero_mamba_states
-
     first = next(job for job in served if job["conversation"] == 0)
     for target in (first, last):
         for kind in ("prime", "warm", "broken"):
@@ -137,6 +134,21 @@ def run(llm: Any, phase: dict[str, Any], images: list[Any], params: Any, emit, c
             (sent,) = _send(engine, params, [again], counts)
             emit(_result(name, sent, kind))
     emit({"phase": name, "kind": "totals", "counts": counts(), "standins": _standin_stats(llm)})
+
+
+def zero_mamba_states(worker: Any) -> int:
+    """Runs in each worker (``collective_rpc``): zero every Mamba layer's cached states, all
+    blocks. Returns the number of state tensors zeroed."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    zeroed = 0
+    context = worker.model_runner.compilation_config.static_forward_context
+    for layer in context.values():
+        if isinstance(layer, MambaBase):
+            for state in layer.kv_cache:
+                state.zero_()
+                zeroed += 1
+    return zeroed
 
 
 def standin_stats(worker: Any) -> dict[str, dict[str, int]]:

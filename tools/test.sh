@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: builds the environment, lints, checks the built wheel and
 # sdist (tools/artefacts.sh), runs the suite on vLLM 0.27.1, then the scheduler suite on
-# one release per family (tools/matrix.py CI_MODES: every mode on 0.27.1, sync elsewhere,
+# one release per family (tools/releases.py CI_MODES: every mode on 0.27.1, sync elsewhere,
 # plus sync+mtp2 on 0.28.0). Ends with one line of phase times, also when a phase fails.
 #   tools/test.sh                 everything CI runs (.ci/run execs it)
 #   tools/test.sh -m "not e2e"    extra arguments go to the main pytest run

@@ -1,4 +1,5 @@
-"""The package's imports: no cycle, and no chain longer than tools/import_chain.LIMIT modules.
+"""The tree's imports: no cycle in the package, tools/ or benchmarks/ (nor between them), and
+no chain of the package longer than tools/import_chain.LIMIT modules.
 
 The graph is grimp's (import-linter's), so function-level imports count as ``lint-imports``
 counts them. The layers themselves are pyproject.toml's contracts.
@@ -28,6 +29,18 @@ def test_a_cycle_is_found_and_has_no_longest_chain() -> None:
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     with pytest.raises(ValueError, match="import cycle"):
         longest_chains(graph)
+
+
+def test_the_tree_has_no_cycle() -> None:
+    pytest.importorskip("grimp")
+    graph = import_chain.import_graph(*import_chain.TREE)
+    for module in ("vllm_mamba_fix.install.plugin", "tools.matrix", "benchmarks.run"):
+        assert module in graph  # grimp read each package
+    # Function-level imports and imports between the packages are edges too.
+    assert "tools.releases" in graph["tools.sched_harness"]
+    assert "tools.sched_harness" in graph["benchmarks.worker"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
 def test_the_package_has_no_cycle_and_no_chain_over_the_limit() -> None:

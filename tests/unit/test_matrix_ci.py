@@ -1,4 +1,5 @@
-"""CI's matrix subset (tools.matrix.CI_MODES): one release per family, modes that exist."""
+"""CI's matrix subset (tools.releases.CI_MODES, what `python -m tools.matrix --ci` runs): one
+release per family, modes that exist."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``vllm-mamba-fix doctor --report`` (issue 37 item 5): the block for a bug report.
+"""``vllm-mamba-fix doctor --report`` (doctor/issue.py, issue 37 item 5): the block for a bug
+report.
 
 On the installed vLLM (0.27.1 here): the command line as users run it, with the default
 settings and with a deployment that goes wrong in several ways at once; and doctor's
@@ -19,11 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_doctor import (
+from tests.doctor.conftest import (
     _VLLM,
     DFLASH,
+    FENCED,
     REPO,
     Run,
+    _body,
     _doctor,
     _run,
     needs_affected_vllm,
@@ -34,18 +37,8 @@ from vllm_mamba_fix.doctor.issue import UNKNOWN_BLOCKS
 from vllm_mamba_fix.facts.config import ALL_VARIABLES
 from vllm_mamba_fix.rules.table import RULES
 
-FENCED = re.compile(
-    r"\A\*\*vllm-mamba-fix doctor --report\*\*[^\n]*\n\n(`{3,})text\n(.*)\n\1\Z", re.S
-)
 RULE_ROW = re.compile(r"^  (?P<rule>[a-z-]+) +(?P<state>runs|does not run) +(?P<why>.+)$", re.M)
 SETTING_ROW = re.compile(r"^  (?P<name>VLLM_MAMBA_FIX\w*) +(?P<raw>.+?) -> (?P<rest>.+)$", re.M)
-
-
-def _body(run: Run) -> str:
-    """The fenced block's text; the whole output must be the block and its title."""
-    found = FENCED.match(run.out.strip("\n"))
-    assert found is not None, run.out
-    return found.group(2)
 
 
 def _row(body: str, label: str) -> str:
