@@ -74,7 +74,7 @@ def build(workload: str, configured: int | None) -> Any:
 
 def _engaged(harness: Any) -> bool:
     """Whether the plugin settled the block-unit rule's view on this scheduler."""
-    from vllm_mamba_fix.rules.split_settle import SPLIT_ATTR
+    from vllm_mamba_fix.facts.blocks import SPLIT_ATTR
 
     return getattr(getattr(harness.scheduler, SPLIT_ATTR, None), "view", None) is not None
 

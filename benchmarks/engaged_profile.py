@@ -58,7 +58,7 @@ def _arms(original: Arm, wrapper: Arm, view: Any) -> dict[str, Arm]:
 
 
 def profile(workload: str, blocks: int, target_ns: int) -> dict[str, Any]:
-    from vllm_mamba_fix.rules.split_settle import SPLIT_ATTR
+    from vllm_mamba_fix.facts.blocks import SPLIT_ATTR
 
     cls = hotpath._scheduler_class()
     wrapper, original = hotpath.methods(METHOD)

@@ -23,8 +23,10 @@ from typing import Any
 
 import pytest
 
+from vllm_mamba_fix import _log
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.facts import targets
-from vllm_mamba_fix.install import import_hook, patch, plugin
+from vllm_mamba_fix.install import import_hook, plugin
 from vllm_mamba_fix.observe import counters, record
 
 PLUGIN_LOGGER = "vllm.mamba_fix"
@@ -243,19 +245,20 @@ def clean_plugin_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.delenv(name, raising=False)
     meta_path = list(sys.meta_path)
     saved_installed = plugin._installed
-    saved_changes = list(patch._changes)
+    # Another suite's changes (and its pending hook) are set aside, not undone.
+    saved_changes = list(installation._changes)
+    saved_instances = dict(installation._instances)
     saved_records = dict(record._records)
-    saved_said = set(plugin._said)
-    saved_hook = import_hook._pending_hook
+    saved_said = set(_log._said)
     saved_counts = dict(counters._counts)
     saved_logged = counters._logged_requests.copy()
     # A pending hook left by another suite would fire on our fake scheduler.
     sys.meta_path[:] = [f for f in meta_path if not isinstance(f, import_hook.PostImportHook)]
     plugin._installed = None
-    patch._changes.clear()
+    installation._changes.clear()
+    installation._instances.clear()
     record._records.clear()
-    plugin._said.clear()
-    import_hook._pending_hook = None
+    _log._said.clear()
     counters.reset()
     try:
         yield
@@ -263,12 +266,13 @@ def clean_plugin_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         plugin.unregister()  # unwraps our fake classes, cancels our pending hook
         sys.meta_path[:] = meta_path
         plugin._installed = saved_installed
-        patch._changes[:] = saved_changes
+        installation._changes[:] = saved_changes
+        installation._instances.clear()
+        installation._instances.update(saved_instances)
         record._records.clear()
         record._records.update(saved_records)
-        plugin._said.clear()
-        plugin._said.update(saved_said)
-        import_hook._pending_hook = saved_hook
+        _log._said.clear()
+        _log._said.update(saved_said)
         counters._counts.update(saved_counts)
         counters._logged_requests.clear()
         counters._logged_requests.update(saved_logged)

@@ -24,13 +24,15 @@ OWN_VARIABLES = {
 # /metrics: vLLM's multiprocess directory, and the plugin's private hand-down (config.py).
 METRICS_VARIABLES = {
     "PROMETHEUS_MULTIPROC_DIR", "_VLLM_MAMBA_FIX_METRICS_DIR",
-    # The API server names its private directory to the engine cores it starts.
-    "<write _VLLM_MAMBA_FIX_METRICS_DIR>",
+    # The API server names its private directory to the engine cores it starts, and
+    # unregister() takes the name back.
+    "<write _VLLM_MAMBA_FIX_METRICS_DIR>", "<delete _VLLM_MAMBA_FIX_METRICS_DIR>",
 }  # fmt: skip
 OWN_VARIABLES |= METRICS_VARIABLES
-# Modules allowed to touch the environment: configuration only (doctor reads it through
-# config.raw_values). Paths relative to the package; subpackages are scanned too.
-ENV_MODULES = {"facts/config.py"}
+# Modules allowed to touch the environment: configuration reads it (doctor through
+# config.raw_values), the record of changes writes the one variable the plugin sets (and
+# undoes it). Paths relative to the package; subpackages are scanned too.
+ENV_MODULES = {"facts/config.py", "changes.py"}
 
 
 class RecordingEnviron(MutableMapping[str, str]):
@@ -103,7 +105,7 @@ def test_reads_only_its_own_variables(
     assert "active" in " ".join(logs.visible)
 
 
-def test_only_config_touches_the_environment() -> None:
+def test_only_config_and_the_record_of_changes_touch_the_environment() -> None:
     """No other module reaches ``os.environ``/``getenv``/``putenv``, even in dead code."""
     package = Path(vllm_mamba_fix.__file__).parent
     names = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
@@ -119,6 +121,38 @@ def test_only_config_touches_the_environment() -> None:
             where = source.relative_to(package).as_posix()
             if hit and where not in ENV_MODULES:
                 offenders.append(f"{where}:{node.lineno}")
+    assert offenders == []
+
+
+ENVIRON_WRITES = {"setdefault", "pop", "popitem", "update", "clear"}
+
+
+def _is_environ(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
+        isinstance(node, ast.Name) and node.id == "environ"
+    )
+
+
+def _writes_environ(node: ast.AST) -> bool:
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        return _is_environ(node.value)
+    if isinstance(node, ast.Attribute):
+        return node.attr in ("putenv", "unsetenv") or (
+            node.attr in ENVIRON_WRITES and _is_environ(node.value)
+        )
+    return False
+
+
+def test_facts_only_read_the_environment() -> None:
+    """config.py reads; the one variable the plugin sets goes through changes.py, which
+    undoes it (no item assignment or deletion, mutating method or putenv under facts/)."""
+    package = Path(vllm_mamba_fix.__file__).parent
+    offenders = [
+        f"{source.relative_to(package).as_posix()}:{node.lineno}"
+        for source in sorted((package / "facts").rglob("*.py"))
+        for node in ast.walk(ast.parse(source.read_text(), str(source)))
+        if _writes_environ(node)
+    ]
     assert offenders == []
 
 

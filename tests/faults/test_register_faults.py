@@ -66,7 +66,7 @@ def test_vllm_not_importable_in_process(
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     register()
     _assert_one_warning(logs, "vLLM is not importable (ModuleNotFoundError)", "doing nothing")
-    assert import_hook._pending_hook is None
+    assert import_hook.pending_hook() is None
     assert not any(isinstance(f, import_hook.PostImportHook) for f in sys.meta_path)
 
 
@@ -87,7 +87,7 @@ def test_scheduler_import_error_propagates_unchanged(
     fake = fake_vllm(scheduler="import fault_holder\nraise fault_holder.exc\n")
 
     register()  # deferred: installs the import hook, must not raise
-    assert isinstance(import_hook._pending_hook, import_hook.PostImportHook)
+    assert isinstance(import_hook.pending_hook(), import_hook.PostImportHook)
 
     with pytest.raises(VllmOwnError) as excinfo:
         fake.import_scheduler()
@@ -321,7 +321,7 @@ def test_unreadable_version_is_left_alone(
     register()
     _assert_one_warning(logs, "cannot read the vLLM version", "VLLM_MAMBA_FIX=force")
     assert not is_patched(scheduler)
-    assert import_hook._pending_hook is None
+    assert import_hook.pending_hook() is None
 
 
 def test_missing_version_attribute(logs: LogCapture, fake_vllm: FakeFactory) -> None:
@@ -611,7 +611,7 @@ def test_unregister_restores_meta_path(fake_vllm: FakeFactory) -> None:
     assert len(sys.meta_path) == len(before) + 1
     unregister()
     assert sys.meta_path == before
-    assert import_hook._pending_hook is None
+    assert import_hook.pending_hook() is None
 
 
 @pytest.mark.parametrize(
@@ -660,10 +660,10 @@ def test_failed_first_import_patches_on_the_import_that_succeeds(
     register()
     with pytest.raises(ImportError, match="first import"):
         fake.import_scheduler()
-    assert isinstance(import_hook._pending_hook, import_hook.PostImportHook)
+    assert isinstance(import_hook.pending_hook(), import_hook.PostImportHook)
     scheduler = fake.import_scheduler()
     assert is_patched(scheduler)
-    assert import_hook._pending_hook is None
+    assert import_hook.pending_hook() is None
     assert not any(isinstance(f, import_hook.PostImportHook) for f in sys.meta_path)
     scheduler(BLOCK)
     assert len(_active_lines(logs)) == 1

@@ -23,7 +23,7 @@ import vllm_mamba_fix
 vllm_mamba_fix.register()
 vllm_mamba_fix.register()
 from vllm_mamba_fix.install import import_hook
-print("RESULT hook_pending", import_hook._pending_hook is not None)
+print("RESULT hook_pending", import_hook.pending_hook() is not None)
 """
 
 META_PATH_BLOCKER = """

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 
 from vllm_mamba_fix.decide.scope import ScopePolicy
+from vllm_mamba_fix.facts.blocks import BLOCK_ATTR
 from vllm_mamba_fix.facts.config import Scope
 from vllm_mamba_fix.facts.targets import ENCODER_METHOD, MARKER
 from vllm_mamba_fix.observe import counters
 from vllm_mamba_fix.rules import end_order, stall_watch
 from vllm_mamba_fix.rules.encoder_wrapper import EncoderOptions
-from vllm_mamba_fix.rules.split_settle import BLOCK_ATTR
 from vllm_mamba_fix.rules.zero_streaks import SPLIT_ZEROS
 
 SECONDS = 30.0

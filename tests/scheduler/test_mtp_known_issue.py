@@ -15,9 +15,8 @@ import pytest
 
 from tests.scheduler.conftest import facts_of
 from tools import sched_harness as harness
-from vllm_mamba_fix.facts.blocks import BlockUnit
+from vllm_mamba_fix.facts.blocks import BLOCK_ATTR, BlockUnit
 from vllm_mamba_fix.observe import mtp_tokens
-from vllm_mamba_fix.rules.split_settle import BLOCK_ATTR
 
 
 def test_the_combination_is_named_once_per_class(

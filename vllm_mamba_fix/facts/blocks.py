@@ -21,6 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# Set on each built scheduler by rules/split_settle.py: the unit (0 when unreadable).
+BLOCK_ATTR = "_vllm_mamba_fix_block_size"
+# Set on each scheduler at its first split by rules/split_settle.py: its SplitState.
+SPLIT_ATTR = "_vllm_mamba_fix_split"
 CACHE_CONFIG_ATTR = "cache_config"
 MAMBA_SPEC_CLASS = "MambaSpec"
 NO_MAMBA_GROUP = "no Mamba KV cache group"
@@ -178,3 +182,9 @@ def unit_of_scheduler(scheduler: Any) -> BlockUnit:
     return read_block_unit(
         getattr(scheduler, "kv_cache_config", None), getattr(cache_config, "block_size", None)
     )
+
+
+def known_block_size(scheduler: Any) -> int:
+    """The unit set on ``scheduler`` when it was built, else read now (and not set)."""
+    size = getattr(scheduler, BLOCK_ATTR, None)
+    return int(size) if size is not None else unit_of_scheduler(scheduler).size

@@ -1,4 +1,7 @@
-"""Configuration from environment variables; the only module that reads them.
+"""Configuration from environment variables; the only module that reads them, and it only
+reads: the one variable the plugin sets (:data:`METRICS_DIR_VAR`, handed by the API server to
+its engine cores) is set by :mod:`vllm_mamba_fix.observe.metrics` through the record of
+changes (:mod:`vllm_mamba_fix.changes`), which ``unregister()`` undoes.
 
 Invalid values never raise: each becomes a problem string (logged once by the
 caller) and the default applies. Doctor reads the raw values through
@@ -156,11 +159,6 @@ METRICS_DIR_VAR = "_VLLM_MAMBA_FIX_METRICS_DIR"
 def metrics_directories() -> tuple[str | None, str | None]:
     """(vLLM's ``PROMETHEUS_MULTIPROC_DIR``, the private directory an API server handed down)."""
     return os.environ.get(PROMETHEUS_DIR) or None, os.environ.get(METRICS_DIR_VAR) or None
-
-
-def hand_down_metrics_directory(directory: str) -> None:
-    """Name the private directory to the engine cores this process starts (they inherit it)."""
-    os.environ[METRICS_DIR_VAR] = directory
 
 
 # Every variable the plugin reads, in the order the docs list them.

@@ -46,6 +46,23 @@ UPDATE_LEADING_PARAMETERS = ("self", "scheduler_output", "model_runner_output")
 MARKER = "__vllm_mamba_fix__"
 
 
+def defined_scheduler(module: Any) -> Any:
+    """The ``Scheduler`` class the scheduler module defines, even if a platform rebound the
+    name (vllm-ascend's patch_balance_schedule.py sets ``scheduler.Scheduler`` to its
+    subclass)."""
+    bound = getattr(module, SCHEDULER_CLASS, None)
+    if not isinstance(bound, type):
+        return bound
+    return next(
+        (
+            cls
+            for cls in bound.__mro__
+            if cls.__module__ == module.__name__ and cls.__qualname__ == SCHEDULER_CLASS
+        ),
+        bound,
+    )
+
+
 def describe_function(function: Any) -> str:
     """``module.qualname`` of a function, for log lines and doctor."""
     module = getattr(function, "__module__", None) or "?"

@@ -9,6 +9,11 @@ doctor's dry run need; the semantics here follow wrapt's:
   the hook for the next try;
 - a module that another thread is importing is waited for, never read half-built;
 - a ``find_spec`` that only probes (``importlib.util.find_spec``) does not use the hook up.
+
+A hook on ``sys.meta_path`` is a change of the process: :meth:`PostImportHook.install` makes
+it through the record of changes (:data:`vllm_mamba_fix.changes.installation`), so
+``unregister()`` takes every armed hook off the path; the scheduler's pending hook is the one
+recorded under :data:`TAG` (:func:`pending_hook`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.facts.targets import SCHEDULER_MODULE
+
+TAG = __name__  # the scheduler module's hook in the record of changes
 
 
 class _NotifyingLoader(importlib.abc.Loader):
@@ -46,18 +54,19 @@ class _NotifyingLoader(importlib.abc.Loader):
 class PostImportHook(importlib.abc.MetaPathFinder):
     """Calls ``on_loaded(module)`` right after ``module_name`` is imported successfully."""
 
-    def __init__(self, module_name: str, on_loaded: Callable[[ModuleType], None]) -> None:
+    def __init__(
+        self, module_name: str, on_loaded: Callable[[ModuleType], None], tag: str = TAG
+    ) -> None:
         self.module_name = module_name
         self._on_loaded = on_loaded
+        self._tag = tag  # who armed it, in the record of changes
         self._searching = threading.local()  # keeps our own search below from finding us
 
     def install(self) -> None:
+        """First on ``sys.meta_path``, recorded: ``unregister()`` takes it off again."""
         if self not in sys.meta_path:
-            sys.meta_path.insert(0, self)
-
-    def remove(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
+            what = f"the import hook of {self.module_name}"
+            installation.insert_first(sys.meta_path, self, self._tag, what, self.module_name)
 
     def find_spec(
         self, fullname: str, path: Any = None, target: ModuleType | None = None
@@ -84,7 +93,12 @@ class PostImportHook(importlib.abc.MetaPathFinder):
 
 
 _hook_lock = threading.Lock()
-_pending_hook: PostImportHook | None = None
+
+
+def pending_hook() -> PostImportHook | None:
+    """The scheduler module's armed hook, if one waits for its import."""
+    armed = installation.changes(TAG)
+    return armed[-1].value if armed else None
 
 
 def _initialising(module: ModuleType) -> bool:
@@ -112,25 +126,20 @@ def when_scheduler_imported(callback: Callable[[ModuleType], None]) -> bool:
     Returns True when the callback ran now. Call it with no lock held that the callback
     takes: it may wait for another thread's import, whose callback takes that lock.
     """
-    global _pending_hook
     done = threading.Event()
 
     def run_once(module: ModuleType) -> None:
-        global _pending_hook
         with _hook_lock:
             if done.is_set():
                 return
             done.set()
-            hook, _pending_hook = _pending_hook, None
-        if hook is not None:
-            hook.remove()
+            cancel_pending_hook()  # used up
         callback(module)
 
     with _hook_lock:
         module = sys.modules.get(SCHEDULER_MODULE)
-        if module is None and _pending_hook is None:
-            _pending_hook = PostImportHook(SCHEDULER_MODULE, run_once)
-            _pending_hook.install()
+        if module is None and pending_hook() is None:
+            PostImportHook(SCHEDULER_MODULE, run_once).install()
         elif module is None:
             return False  # a hook is armed already
     # Another thread may be importing the module: past our hook's place in the scan, or
@@ -144,10 +153,5 @@ def when_scheduler_imported(callback: Callable[[ModuleType], None]) -> bool:
 
 
 def cancel_pending_hook() -> bool:
-    global _pending_hook
-    with _hook_lock:
-        hook, _pending_hook = _pending_hook, None
-    if hook is None:
-        return False
-    hook.remove()
-    return True
+    """Take the scheduler module's armed hook off ``sys.meta_path``; whether one was armed."""
+    return installation.undo(lambda c: c.tag == TAG)

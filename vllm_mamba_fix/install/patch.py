@@ -11,20 +11,20 @@ Two moments:
   rules its own code needs; :func:`describe_method` says what it resolves to
   (a :class:`~vllm_mamba_fix.observe.record.MethodRecord`), and plugin records it.
 
-Every change is logged in one list, so :func:`undo` restores exactly what was
-there (a method the class did not define is deleted again). Nothing is ever set on a
-scheduler instance's namespace in vLLM's place. Idempotent: a method that already resolves
-to a wrapper is not wrapped twice.
+Every change is made through the process's record of changes
+(:data:`vllm_mamba_fix.changes.installation`, tagged :data:`TAG`), so ``unregister()`` and
+:func:`undo` restore exactly what was there (a method the class did not define is deleted
+again). Nothing is ever set on a scheduler instance's namespace in vLLM's place. Idempotent:
+a method that already resolves to a wrapper is not wrapped twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.facts.evidence import defining_class
 from vllm_mamba_fix.facts.targets import (
     ENCODER_METHOD,
@@ -46,22 +46,9 @@ from vllm_mamba_fix.rules.wrappers import (
     make_wrapper,
 )
 
-_MISSING: Any = object()
-
 # Per rule-carrying method, its wrapper's options (None: that method carries no rule).
 MethodOptions = Mapping[str, Any]
-
-
-@dataclass
-class _Change:
-    cls: type
-    name: str
-    previous: Any  # what cls.__dict__ held, or _MISSING
-    installed: Any
-
-
-_lock = threading.RLock()
-_changes: list[_Change] = []
+TAG = __name__  # this module's changes in the record
 
 
 def is_wrapped(cls: type, name: str = SPLIT_METHOD) -> bool:
@@ -74,9 +61,7 @@ def resolves_to_wrapper(cls: type, name: str) -> bool:
 
 
 def _set(cls: type, name: str, value: Any) -> None:
-    with _lock:
-        _changes.append(_Change(cls, name, cls.__dict__.get(name, _MISSING), value))
-        setattr(cls, name, value)
+    installation.set_attr(cls, name, value, TAG)
 
 
 def _wrap(name: str, original: Callable[..., Any], options: Any) -> Any:
@@ -84,8 +69,7 @@ def _wrap(name: str, original: Callable[..., Any], options: Any) -> Any:
 
 
 def _we_changed(cls: type, name: str) -> bool:
-    with _lock:
-        return any(c.cls is cls and c.name == name for c in _changes)
+    return installation.changed(cls, name)
 
 
 def install_on_base(
@@ -226,26 +210,13 @@ def wrap_encoder(cls: type, options: EncoderOptions) -> None:
 
 
 def undo(cls: type | None = None) -> bool:
-    """Restore what the plugin changed (on ``cls`` only, if given), newest first.
+    """Restore what this module changed (on ``cls`` only, if given), newest first.
 
     Returns whether anything was restored. A change that someone else has since
-    overwritten is left as they left it.
+    overwritten is left as they left it. ``unregister()`` undoes every change at once.
     """
-    with _lock:
-        changes = [c for c in _changes[::-1] if cls is None or c.cls is cls]
-        undone = {id(c) for c in changes}
-        _changes[:] = [c for c in _changes if id(c) not in undone]
-    for change in changes:
-        if change.cls.__dict__.get(change.name, _MISSING) is not change.installed:
-            continue
-        if change.previous is _MISSING:
-            if change.name in change.cls.__dict__:
-                delattr(change.cls, change.name)
-        else:
-            setattr(change.cls, change.name, change.previous)
-    return bool(changes)
+    return installation.undo(lambda c: c.tag == TAG and (cls is None or c.target is cls))
 
 
 def changed_classes() -> list[type]:
-    with _lock:
-        return list(dict.fromkeys(c.cls for c in _changes))
+    return list(dict.fromkeys(c.target for c in installation.changes(TAG)))

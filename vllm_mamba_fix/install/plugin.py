@@ -8,6 +8,12 @@ Two steps: when the scheduler module is imported, the base ``Scheduler`` gets
 the rules its own code needs; when the engine builds a scheduler, its class is
 checked, settled (:func:`vllm_mamba_fix.install.patch.settle_method`) and recorded
 (:mod:`vllm_mamba_fix.observe.record`), and one active line per class says what runs.
+
+Every change to the process (class methods, stream generators, import hooks, the /metrics
+collector, the variable handed to engine cores, attributes of built schedulers) is made
+through one record, :data:`vllm_mamba_fix.changes.installation`; :func:`unregister` is its
+undo, newest first, followed by forgetting what the plugin knew (records, settled classes,
+lines said once), so a later :func:`register` starts afresh.
 """
 
 from __future__ import annotations
@@ -20,27 +26,25 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_mamba_fix._log import fields, logger
+from vllm_mamba_fix._log import fields, forget_said, logger, say_once
 from vllm_mamba_fix._version import __version__
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.policy import Facts, Plan, Preflight, Rule, preflight
 from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.facts.blocks import BlockUnit, unit_of_scheduler
 from vllm_mamba_fix.facts.config import Settings, load_settings
 from vllm_mamba_fix.facts.evidence import Evidence, read_evidence
-from vllm_mamba_fix.facts.targets import INIT_METHOD, SCHEDULER_CLASS, SPLIT_METHOD
+from vllm_mamba_fix.facts.targets import INIT_METHOD, SPLIT_METHOD, defined_scheduler
 from vllm_mamba_fix.facts.versions import Family, family_for
 from vllm_mamba_fix.install import import_hook, patch, stream_end
 from vllm_mamba_fix.observe import counters, metrics, mtp_tokens, record, series
 from vllm_mamba_fix.observe.record import ClassRecord, MethodRecord, MethodState, class_name
+from vllm_mamba_fix.rules import encoder_cut, end_order, stall_watch
 from vllm_mamba_fix.rules import table as rules
 from vllm_mamba_fix.rules.split_settle import set_block_unit
 from vllm_mamba_fix.rules.wrappers import settle_if_differs
 
-# Every count reaches vLLM's /metrics too; counting imports none of its observers.
-counters.report_to(metrics)
-
 _lock = threading.RLock()
-_said: set[str] = set()  # lines logged once per process
 # The scheduler classes settled in this process, by record name: a later install on a
 # base may change what they resolve to.
 _settled: dict[str, type] = {}
@@ -70,17 +74,11 @@ class _Installed:
 _installed: _Installed | None = None
 
 
-def _say_once(level: int, message: str, event: str = "setup", **facts: Any) -> None:
-    if message not in _said:
-        _said.add(message)
-        logger.log(level, "vllm-mamba-fix: %s", message, extra=fields(event, **facts))
-
-
 def _vllm_version() -> str | None:
     try:
         import vllm
     except Exception as exc:
-        _say_once(logging.WARNING, f"vLLM is not importable ({type(exc).__name__}); doing nothing")
+        say_once(logging.WARNING, f"vLLM is not importable ({type(exc).__name__}); doing nothing")
         return None
     version = getattr(vllm, "__version__", None)
     return version if isinstance(version, str) else repr(version)
@@ -99,7 +97,7 @@ def register(settings: Settings | None = None) -> None:
             # callback takes the lock.
             import_hook.when_scheduler_imported(callback)
     except Exception as exc:
-        _say_once(
+        say_once(
             logging.WARNING,
             f"disabled after an unexpected error ({type(exc).__name__}: {exc})",
         )
@@ -107,15 +105,20 @@ def register(settings: Settings | None = None) -> None:
 
 def _register(settings: Settings) -> Any:
     for problem in settings.problems:
-        _say_once(logging.WARNING, problem)
+        say_once(logging.WARNING, problem)
     version = _vllm_version()
     if version is None:
         return None
     family = family_for(version)
     checked = preflight(settings.mode, family, version)
-    _say_once(PREFLIGHT_LOG_LEVEL[checked.outcome], checked.reason)
+    say_once(PREFLIGHT_LOG_LEVEL[checked.outcome], checked.reason)
     if not checked.outcome.waits_for_scheduler:
         return None
+    # Every count reaches vLLM's /metrics too; counting imports none of its observers. Wired
+    # here, not at import, so that unregister() unwires it.
+    if counters.metrics is not metrics:
+        counters.report_to(metrics)
+        installation.record("metrics", "counts reach metrics.py", lambda: counters.report_to(None))
     # The API server: read the engine cores' counters at vLLM's own /metrics.
     metrics.attach()
     if settings.end_stalls_after is not None:
@@ -133,33 +136,13 @@ def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, dict[str, Any], E
     return decided, options, evidence
 
 
-def _defined_scheduler(module: ModuleType) -> Any:
-    """The ``Scheduler`` class the module defines, even if a platform rebound the name.
-
-    vllm-ascend's patch_balance_schedule.py sets ``scheduler.Scheduler`` to its subclass.
-    """
-    bound = getattr(module, SCHEDULER_CLASS, None)
-    if not isinstance(bound, type):
-        return bound
-    return next(
-        (
-            cls
-            for cls in bound.__mro__
-            if cls.__module__ == module.__name__ and cls.__qualname__ == SCHEDULER_CLASS
-        ),
-        bound,
-    )
-
-
 def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, version: str) -> None:
     global _installed
     try:
         with _lock:
-            base = _defined_scheduler(module)
+            base = defined_scheduler(module)
             if not isinstance(base, type):
-                _say_once(
-                    logging.WARNING, f"{module.__name__} has no Scheduler class; not patching"
-                )
+                say_once(logging.WARNING, f"{module.__name__} has no Scheduler class; not patching")
                 return
             if _installed is not None or any(
                 patch.is_wrapped(base, name) for name in rules.ALL_WRAPPED
@@ -179,7 +162,7 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                 # check only the split rule's ear needs (a class without one cuts nothing).
                 quiet = name != INIT_METHOD and not rules.rules_through(name, decided.rules)
                 level = logging.DEBUG if quiet else logging.WARNING
-                _say_once(level, _install_problem_line(name, problem, decided), method=name)
+                say_once(level, _install_problem_line(name, problem, decided), method=name)
             _installed = installed
             # The base's record, kept even where nothing was installed (doctor reads it).
             check_class(base, log=False)
@@ -196,7 +179,7 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
             if INIT_METHOD not in wrapped:
                 _log_record(record.recorded(class_name(base)), installed)  # type: ignore[arg-type]
     except Exception as exc:
-        _say_once(logging.WARNING, f"not patching after an error ({type(exc).__name__}: {exc})")
+        say_once(logging.WARNING, f"not patching after an error ({type(exc).__name__}: {exc})")
 
 
 def _install_problem_line(name: str, problem: str, decided: Plan) -> str:
@@ -336,22 +319,26 @@ def _log_record(result: ClassRecord, installed: _Installed) -> None:
             continue
         if method.state in (MethodState.OVERRIDDEN, MethodState.UNPATCHABLE):
             text = f"{cls}: {method.describe()}; the fix does not reach it"
-            _say_once(logging.WARNING, text, "not-reached", scheduler_class=cls, method=method.name)
+            say_once(
+                logging.WARNING, text, event="not-reached", scheduler_class=cls, method=method.name
+            )
         elif method.state is MethodState.WRAPPED_REPLACEMENT:
             text = f"{cls}: {method.describe()}"
-            _say_once(logging.WARNING, text, scheduler_class=cls, method=method.name)
+            say_once(logging.WARNING, text, scheduler_class=cls, method=method.name)
     unit = result.block
     runs_split = bool(result.rules & rules.SPLIT_RULES)
     if unit is not None and unit.mamba is None and not unit.no_mamba and runs_split:
         text = f"the split rules stand down for {cls}: {unit.problem}"
-        _say_once(logging.WARNING, text, "stands-down", scheduler_class=cls, problem=unit.problem)
+        say_once(
+            logging.WARNING, text, event="stands-down", scheduler_class=cls, problem=unit.problem
+        )
     idle = f"; split rules idle: {result.split_idle}" if result.split_idle else ""
     if not result.rules:
-        _say_once(
+        say_once(
             logging.INFO,
             f"not needed for {cls} on vLLM {installed.version}: "
             f"{result.plan.describe()}{idle}; leaving it stock",
-            "not-needed", scheduler_class=cls, vllm_version=installed.version,
+            event="not-needed", scheduler_class=cls, vllm_version=installed.version,
         )  # fmt: skip
         return
     wrapped = [m for m in result.methods if m.state.carries_rules and m.rules & result.rules]
@@ -382,18 +369,22 @@ def _log_record(result: ClassRecord, installed: _Installed) -> None:
 
 
 def unregister() -> bool:
-    """Undo :func:`register` in this process. Returns whether anything was undone."""
+    """Undo :func:`register` in this process. Returns whether anything was undone.
+
+    Every change the installation recorded is reverted, newest first; then the plugin
+    forgets what it knew, so :func:`register` works again as in a fresh process.
+    """
     global _installed
     with _lock:
-        undone = import_hook.cancel_pending_hook()
-        undone = patch.undo() or undone
-        undone = stream_end.detach() or undone
+        undone = installation.undo()
         _installed = None
         record.forget_all()
         _settled.clear()
         _lines_logged.clear()
-        mtp_tokens.forget()
-        _said.clear()
+        encoder_cut.forget()
+        stall_watch.forget_named()
+        end_order.forget_orders()
+        forget_said()
     if undone:
         logger.info("vllm-mamba-fix: removed; vLLM's scheduler is stock again", extra=_SETUP)
     return undone

@@ -34,7 +34,9 @@ Decided by the code, never raising into vLLM:
   GenerationError`` that yields;
 - otherwise one warning line, and the generator stays stock.
 
-:func:`attach` is idempotent; :func:`detach` restores vLLM's methods and removes the hooks.
+:func:`attach` is idempotent. The wrappers and the import hooks are changes recorded in
+:data:`vllm_mamba_fix.changes.installation` (:data:`TAG`, :data:`HOOK_TAG`): ``unregister()``
+undoes them with the rest, :func:`detach` alone restores vLLM's methods and removes the hooks.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_mamba_fix._log import fields, logger
+from vllm_mamba_fix._log import say_once
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.facts.targets import MARKER
 from vllm_mamba_fix.install.import_hook import PostImportHook
 from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX
@@ -258,15 +261,8 @@ def _wrap(original: Callable[..., Any], shape: Shape, error_cls: type[Exception]
 # -- install and undo -------------------------------------------------------------------------
 
 _lock = threading.Lock()
-_originals: dict[tuple[type, str], Any] = {}
-_hooks: list[PostImportHook] = []
-_said: set[str] = set()
-
-
-def _say_once(level: int, message: str) -> None:
-    if message not in _said:
-        _said.add(message)
-        logger.log(level, "vllm-mamba-fix: %s", message, extra=fields("setup"))
+TAG = __name__  # the wrapped generators, in the record of changes
+HOOK_TAG = f"{__name__}:hooks"  # the hooks waiting for a serving module's import
 
 
 def _decide(module: ModuleType, target: Target) -> tuple[type, Any, Shape, Any] | str | None:
@@ -305,18 +301,17 @@ def _install(module: ModuleType, target: Target) -> None:
             if decided is None:
                 return
             if isinstance(decided, str):
-                _say_once(
+                say_once(
                     logging.WARNING,
                     f"a streaming client of a request the plugin ends sees its stream close "
                     f"with no finish_reason ({decided}); non-streaming clients read the cause",
                 )
                 return
             cls, method, shape, error_cls = decided
-            setattr(cls, target.method, _wrap(method, shape, error_cls))
-            _originals[(cls, target.method)] = method
-        _say_once(logging.INFO, f"{name}: a request the plugin ends is streamed as an error")
+            installation.set_attr(cls, target.method, _wrap(method, shape, error_cls), TAG)
+        say_once(logging.INFO, f"{name}: a request the plugin ends is streamed as an error")
     except Exception as exc:
-        _say_once(logging.WARNING, f"{name} left stock ({type(exc).__name__}: {exc})")
+        say_once(logging.WARNING, f"{name} left stock ({type(exc).__name__}: {exc})")
 
 
 def attach() -> None:
@@ -330,13 +325,12 @@ def attach() -> None:
             if not _has_source(target.module):
                 continue  # this vLLM has no such server module: nothing to wait for
             with _lock:
-                if any(hook.module_name == target.module for hook in _hooks):
+                if any(c.name == target.module for c in installation.changes(HOOK_TAG)):
                     continue
-                hook = PostImportHook(target.module, functools.partial(_on_import, target))
-                _hooks.append(hook)
-                hook.install()
+                on_import = functools.partial(_on_import, target)
+                PostImportHook(target.module, on_import, HOOK_TAG).install()
     except Exception as exc:
-        _say_once(logging.WARNING, f"streams left stock ({type(exc).__name__}: {exc})")
+        say_once(logging.WARNING, f"streams left stock ({type(exc).__name__}: {exc})")
 
 
 def _has_source(name: str) -> bool:
@@ -354,28 +348,16 @@ def _initialising(module: ModuleType) -> bool:
 
 def _on_import(target: Target, module: ModuleType) -> None:
     with _lock:
-        for hook in [h for h in _hooks if h.module_name == target.module]:
-            hook.remove()
-            _hooks.remove(hook)
+        installation.undo(lambda c: c.tag == HOOK_TAG and c.name == target.module)
     _install(module, target)
 
 
 def detach() -> bool:
     """Restore vLLM's generators and drop the pending hooks. Returns whether anything was undone."""
     with _lock:
-        undone = bool(_originals or _hooks)
-        for hook in _hooks:
-            hook.remove()
-        _hooks.clear()
-        for (cls, name), original in _originals.items():
-            if hasattr(cls.__dict__.get(name), MARKER):
-                setattr(cls, name, original)
-        _originals.clear()
-        _said.clear()
-    return undone
+        return installation.undo(lambda c: c.tag in (TAG, HOOK_TAG))
 
 
 def installed() -> list[str]:
     """``Class.method`` of each generator wrapped in this process (doctor, tests)."""
-    with _lock:
-        return sorted(f"{cls.__qualname__}.{name}" for cls, name in _originals)
+    return sorted(f"{c.target.__qualname__}.{c.name}" for c in installation.changes(TAG))

@@ -14,7 +14,9 @@ multiprocess files. Every release 0.15-0.34 serves ``/metrics`` from
   API server; never an engine core or a worker), adds a collector to ``REGISTRY`` and names
   a private directory to the engine cores it starts (:data:`ENV_DIR`); the first engine core
   that counts makes it. Values made in the serving process itself (an engine in the same
-  process) stay in memory, so that process writes no file.
+  process) stay in memory, so that process writes no file. The collector, the variable and
+  the directory's removal at exit are changes recorded in
+  :data:`vllm_mamba_fix.changes.installation`: ``unregister()`` takes all three back.
 
 The series, their labels (vLLM's ``model_name`` and ``engine``) and gauge mode: series.py;
 the files and the reader: metrics_store.py. :func:`prepare` runs when the engine core builds
@@ -28,6 +30,9 @@ imported lazily: without it nothing is exported here and one line says so.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
+import logging
 import multiprocessing
 import os
 import secrets
@@ -38,7 +43,8 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from vllm_mamba_fix._log import logger
+from vllm_mamba_fix._log import logger, say_once
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.facts import blocks, config
 from vllm_mamba_fix.observe import metrics_sweep
 from vllm_mamba_fix.observe.metrics_store import FILE_PREFIX, Collector, Local, Writer
@@ -57,9 +63,8 @@ from vllm_mamba_fix.observe.series import (
 
 __all__ = ["FILE_PREFIX", "SERIES", "Series"]
 
-# The environment is read and written in config.py, the one module that touches it.
+# The environment is read in config.py; the variable handed down is set through the record.
 directories = config.metrics_directories
-hand_down = config.hand_down_metrics_directory
 PROMETHEUS_DIR = config.PROMETHEUS_DIR  # vLLM's and prometheus_client's directory
 ENV_DIR = config.METRICS_DIR_VAR  # the private one an API server hands down
 
@@ -72,7 +77,6 @@ class Support(NamedTuple):
 _lock = threading.RLock()  # re-entered if a registry collects while _serve_here holds it
 _writer: Writer | None = None
 _local: Local | None = None  # set in the process whose REGISTRY serves the values
-_said: set[str] = set()
 _off_pid: int | None = None  # the process where opening the writer failed
 _swept_pid: int | None = None  # the process that swept old directories (once per process)
 # This process's engine core: vLLM's model_name and engine labels, learnt by prepare(scheduler);
@@ -81,10 +85,11 @@ _identity: Labels = ()
 _identity_pid: int | None = None
 
 
-def _say_once(level: str, message: str, *args: Any) -> None:
-    if message not in _said:
-        _said.add(message)
-        getattr(logger, level)("vllm-mamba-fix: " + message, *args)
+TAG = __name__  # the collector, the variable and the directory, in the record of changes
+
+
+def _failed(what: str, exc: Exception) -> None:
+    say_once(logging.DEBUG, what + " (%s)", f"{type(exc).__name__}: {exc}", event=None)
 
 
 def _import_prometheus() -> tuple[ModuleType, ModuleType, ModuleType] | Exception:
@@ -120,10 +125,11 @@ def _sink_here() -> Writer | Local | None:
     _writer, _off_pid = None, pid
     found = _import_prometheus()
     if isinstance(found, Exception):
-        _say_once(
-            "info",
+        say_once(
+            logging.INFO,
             "prometheus_client is not importable (%s); the counts are in the log lines only",
             f"{type(found).__name__}: {found}",
+            event=None,
         )
         return None
     shared, private = directories()
@@ -154,11 +160,11 @@ def count(key: str, amount: int = 1) -> None:
     try:
         series = SERIES.get(key)
         if series is None:
-            _say_once("debug", "no metric for the count %r", key)
+            say_once(logging.DEBUG, "no metric for the count %r", key, event=None)
             return
         _put(series, with_labels(series, _identity), amount, add=True)
     except Exception as exc:
-        _say_once("debug", "metrics not written (%s)", f"{type(exc).__name__}: {exc}")
+        _failed("metrics not written", exc)
 
 
 def _set(series: Series, value: float, extra: Labels = ()) -> None:
@@ -177,7 +183,7 @@ def stalls(standing: int, oldest_start: float) -> None:
         _set(STALLED, standing)
         _set(OLDEST_STALL, oldest_start if standing else 0.0)
     except Exception as exc:
-        _say_once("debug", "metrics not written (%s)", f"{type(exc).__name__}: {exc}")
+        _failed("metrics not written", exc)
 
 
 def block_sizes(mamba: int | None, split: int | None) -> None:
@@ -186,7 +192,7 @@ def block_sizes(mamba: int | None, split: int | None) -> None:
         _set(MAMBA_BLOCK, mamba or 0)
         _set(SPLIT_BLOCK, split or 0)
     except Exception as exc:
-        _say_once("debug", "metrics not written (%s)", f"{type(exc).__name__}: {exc}")
+        _failed("metrics not written", exc)
 
 
 def prepare(
@@ -211,7 +217,7 @@ def prepare(
             prepare_engine(labels, unit.mamba, unit.configured, info, standing)
             return
     except Exception as exc:  # a broken attribute: the counters, as before
-        _say_once("debug", "no labels for the metrics (%s)", f"{type(exc).__name__}: {exc}")
+        _failed("no labels for the metrics", exc)
     for key in SERIES:
         count(key, 0)
 
@@ -233,7 +239,7 @@ def prepare_engine(
     try:
         _set(INFO, 1, tuple((str(k), str(v)) for k, v in (info or {}).items()))
     except Exception as exc:
-        _say_once("debug", "metrics not written (%s)", f"{type(exc).__name__}: {exc}")
+        _failed("metrics not written", exc)
     block_sizes(mamba_block, split_block)
     stalls(*standing)
 
@@ -259,14 +265,16 @@ def attach() -> None:
             return
         found = _import_prometheus()
         if isinstance(found, Exception):
-            _say_once("debug", "prometheus_client is not importable (%s)", type(found).__name__)
+            why = type(found).__name__
+            say_once(logging.DEBUG, "prometheus_client is not importable (%s)", why, event=None)
             return
         with _lock:
             name = metrics_sweep.directory_name(secrets.token_hex(6))
             directory = _serve_here(found, os.path.join(tempfile.gettempdir(), name))
-            hand_down(directory)
+            # Named to the engine cores this process starts (they inherit it).
+            installation.set_env(ENV_DIR, directory, TAG)
     except Exception as exc:
-        _say_once("debug", "metrics not attached (%s)", f"{type(exc).__name__}: {exc}")
+        _failed("metrics not attached", exc)
 
 
 _collector: Collector | None = None  # the one this process registered
@@ -278,7 +286,7 @@ def _local_values() -> dict[tuple[Series, Labels], float]:
 
 
 def _warn_once(message: str, *args: Any) -> None:
-    _say_once("warning", message, *args)
+    say_once(logging.WARNING, message, *args, event=None)
 
 
 def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str | None) -> Any:
@@ -289,18 +297,43 @@ def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str
     """
     global _local, _collector
     if _collector is None:
-        prometheus_client, _, multiprocess = found
-        collector = Collector(multiprocess, _local_values, _warn_once)
-        prometheus_client.REGISTRY.register(collector)
+        registry = found[0].REGISTRY
+        collector = Collector(found[2], _local_values, _warn_once)
+        registry.register(collector)
         _collector, _local = collector, Local()
+        what = "the vllm_mamba_fix_* collector on prometheus_client's REGISTRY"
+        revert = functools.partial(_unserve, registry, collector)
+        installation.record(TAG, what, revert, registry, value=collector)
     if directory and not _collector.directory:
         _collector.directory = directory
         owner = os.getpid()
-        # Only the serving process removes it (a forked child runs atexit too).
-        atexit.register(
-            lambda: os.getpid() == owner and shutil.rmtree(directory, ignore_errors=True)
-        )
+
+        def remove() -> None:
+            if os.getpid() == owner:  # only the serving process (a forked child runs atexit)
+                shutil.rmtree(directory, ignore_errors=True)
+
+        atexit.register(remove)
+        removal = functools.partial(_remove_now, remove, directory)
+        installation.record(TAG, f"the removal of {directory} at exit", removal)
     return _collector.directory if directory is not None else _local
+
+
+def _unserve(registry: Any, collector: Collector) -> None:
+    """The undo of :func:`_serve_here`: the collector leaves ``registry``; counts made in this
+    process afterwards choose their sink again."""
+    global _local, _collector
+    with _lock:
+        if _collector is collector:
+            _collector, _local = None, None
+    with contextlib.suppress(KeyError):  # someone else unregistered it
+        registry.unregister(collector)
+
+
+def _remove_now(remove: Any, directory: str) -> None:
+    """The undo of the removal at exit: removed now where an engine core made it."""
+    atexit.unregister(remove)
+    if os.path.isdir(directory):
+        remove()
 
 
 def support() -> Support:

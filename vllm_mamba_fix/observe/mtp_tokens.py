@@ -14,10 +14,10 @@ engine core says so once per scheduler class, and doctor says so for an EAGLE-ty
 
 from __future__ import annotations
 
-import threading
+import logging
 from typing import Any
 
-from vllm_mamba_fix._log import fields, logger
+from vllm_mamba_fix._log import fields, logger, say_once
 from vllm_mamba_fix.facts.blocks import BlockUnit
 
 EVENT = "known-issue"
@@ -37,9 +37,6 @@ WORKAROUND = (
     "where prefix-cache hits must give exact tokens, serve without MTP, or disable prefix caching"
 )
 
-_lock = threading.Lock()
-_warned: set[str] = set()  # scheduler classes whose line was logged
-
 
 def affected(use_eagle: Any, unit: BlockUnit, prefix_caching: Any) -> bool:
     """The built scheduler is in the combination: EAGLE-type, Mamba groups, prefix caching."""
@@ -47,9 +44,10 @@ def affected(use_eagle: Any, unit: BlockUnit, prefix_caching: Any) -> bool:
 
 
 def line(scheduler_class: str) -> str:
+    """The warning, after the plugin's ``vllm-mamba-fix: ``."""
     return (
-        f"vllm-mamba-fix: {scheduler_class} runs {COMBINATION}: vLLM can emit wrong tokens "
-        f"after a prefix-cache hit ({VLLM_ISSUE}; {RELEASES}); {CAUSE}; {WORKAROUND}"
+        f"{scheduler_class} runs {COMBINATION}: vLLM can emit wrong tokens after a "
+        f"prefix-cache hit ({VLLM_ISSUE}; {RELEASES}); {CAUSE}; {WORKAROUND}"
     )
 
 
@@ -61,19 +59,10 @@ def warn_once(scheduler: Any, unit: BlockUnit, scheduler_class: str) -> None:
         )
         if not affected(getattr(scheduler, "use_eagle", None), unit, prefix_caching):
             return
-        with _lock:
-            if scheduler_class in _warned:
-                return
-            _warned.add(scheduler_class)
-        extra = fields(
-            EVENT, scheduler_class=scheduler_class, block=unit.mamba, vllm_issue=VLLM_ISSUE
-        )
-        logger.warning(line(scheduler_class), extra=extra)
+        say_once(
+            logging.WARNING, line(scheduler_class), event=EVENT,
+            scheduler_class=scheduler_class, block=unit.mamba, vllm_issue=VLLM_ISSUE,
+        )  # fmt: skip
     except Exception as exc:  # a log line must never break the engine core
         problem = f"known-issue check skipped ({type(exc).__name__})"
         logger.debug("vllm-mamba-fix: %s", problem, extra=fields(EVENT, problem=problem))
-
-
-def forget() -> None:
-    with _lock:
-        _warned.clear()

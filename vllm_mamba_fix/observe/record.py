@@ -2,6 +2,8 @@
 
 Written when a scheduler is built (and by doctor's dry run); the active line,
 :func:`vllm_mamba_fix.stats` and doctor all read it, so none of them parses log text.
+What the plugin knows, not what it changed (that is :mod:`vllm_mamba_fix.changes`):
+``unregister()`` forgets it after undoing the changes.
 """
 
 from __future__ import annotations

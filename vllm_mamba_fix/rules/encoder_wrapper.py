@@ -22,6 +22,7 @@ from vllm_mamba_fix.decide.stalls import REPEATED
 from vllm_mamba_fix.rules import encoder_cut, speculative_stall, stall_watch
 from vllm_mamba_fix.rules.marking import marked
 from vllm_mamba_fix.rules.speculative_stall import EncoderResult
+from vllm_mamba_fix.rules.split_settle import block_size_of
 from vllm_mamba_fix.rules.stall_watch import log_moving_again
 from vllm_mamba_fix.rules.zero_streaks import ZeroStreaks
 
@@ -118,8 +119,9 @@ def _zero_handler(
         )
         if retried:
             retry = speculative_stall.release(
-                original, self, request, computed, asked, encoder_budget, to_free
-            )
+                original, self, request, computed, asked, encoder_budget, to_free,
+                block_size_of(self),
+            )  # fmt: skip
             if retry is not None:
                 zeros.clear(rid)
                 return retry

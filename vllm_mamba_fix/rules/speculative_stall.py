@@ -30,7 +30,6 @@ from typing import Any
 from vllm_mamba_fix.decide.decision import Action, speculative_stall_release, unshifted_cut_needed
 from vllm_mamba_fix.decide.stalls import REPEATED, Streak
 from vllm_mamba_fix.observe import counters
-from vllm_mamba_fix.rules.split_settle import block_size_of
 
 EncoderResult = tuple[Any, ...]
 
@@ -72,16 +71,16 @@ def release(
     asked: int,
     encoder_budget: int,
     to_free: tuple[int, ...],
+    block_size: int,
 ) -> EncoderResult | None:
     """Free ``to_free`` and ask vLLM's ``check`` again without the shift; its answer if it
-    gives tokens, else None."""
+    gives tokens (counted, with the scheduler's ``block_size`` for the log), else None."""
     for input_id in to_free:
         _free_encoder_input(scheduler, request, input_id)
     retry = check(scheduler, request, computed, asked, encoder_budget, 0)
     if not retry[1]:
         return None
     counters.record(
-        Action.SPECULATIVE_STALL_RELEASED, request.request_id, computed, retry[1],
-        block_size_of(scheduler),
-    )  # fmt: skip
+        Action.SPECULATIVE_STALL_RELEASED, request.request_id, computed, retry[1], block_size
+    )
     return retry

@@ -7,7 +7,9 @@ options of the wrapper asking, whether the block-unit rule engages (vLLM's split
 through a ``cache_config`` view with the cache's block) and whether any rule can act at all:
 where none can, the state is ``quiet`` and a call returns vLLM's answer after one attribute
 read. The state is kept on the scheduler under :data:`SPLIT_ATTR`, an attribute only the
-plugin sets (the split wrapper reads it under that literal name on its hot path).
+plugin sets, through the installation's record (:mod:`vllm_mamba_fix.changes`), so that
+``unregister()`` deletes it; the split wrapper reads it under that literal name on its hot
+path.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import dataclasses
 from typing import Any
 
 from vllm_mamba_fix._log import fields, logger
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.decision import whole_chunks_may_cross
 from vllm_mamba_fix.facts.blocks import (
+    BLOCK_ATTR,
     CACHE_CONFIG_ATTR,
+    SPLIT_ATTR,
     BlockUnit,
     CacheConfigView,
     SplitState,
@@ -28,18 +33,13 @@ from vllm_mamba_fix.facts.blocks import (
 from vllm_mamba_fix.facts.config import ENV_BLOCK_RULE
 from vllm_mamba_fix.facts.targets import MARKER
 
-# Set on each built scheduler: the unit (0 when unreadable).
-BLOCK_ATTR = "_vllm_mamba_fix_block_size"
-# Set on each scheduler at its first split: its SplitState.
-SPLIT_ATTR = "_vllm_mamba_fix_split"
-
 # The split wrapper's options (rules/split_rule.py, WrapOptions): read by attribute, so this
 # module stays below the corrector in the import graph.
 SplitOptions = Any
 
 
 def set_block_unit(scheduler: Any, unit: BlockUnit) -> None:
-    setattr(scheduler, BLOCK_ATTR, unit.size)
+    installation.set_on(scheduler, BLOCK_ATTR, unit.size)
 
 
 def block_size_of(scheduler: Any) -> int:
@@ -82,7 +82,7 @@ def settle(scheduler: Any, options: SplitOptions) -> tuple[SplitState, BlockUnit
         realigns, not options.realign_others, split_block or state.size, state.size
     )
     state = dataclasses.replace(state, quiet=quiet, settled_for=options, whole_chunks_cross=cross)
-    setattr(scheduler, SPLIT_ATTR, state)
+    installation.set_on(scheduler, SPLIT_ATTR, state)
     return state, unit
 
 

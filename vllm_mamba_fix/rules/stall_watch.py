@@ -39,6 +39,7 @@ from vllm_mamba_fix.decide.stalls import (
     stall_cause,
     watchdog_due,
 )
+from vllm_mamba_fix.facts.blocks import known_block_size
 from vllm_mamba_fix.facts.config import ENV_END_STALLS_AFTER
 from vllm_mamba_fix.facts.targets import ENCODER_METHOD, MARKER, SPLIT_METHOD
 from vllm_mamba_fix.observe import counters
@@ -52,7 +53,6 @@ from vllm_mamba_fix.rules.encoder_facts import (
     own_inputs_proof,
 )
 from vllm_mamba_fix.rules.end_order import EndOrder, order_end, ordered, support_of
-from vllm_mamba_fix.rules.split_settle import block_size_of
 from vllm_mamba_fix.rules.zero_streaks import SPLIT_ZEROS, ZeroStreaks
 
 RECHECK_SECONDS = 1.0
@@ -114,7 +114,7 @@ def split_window_end(scheduler: Any, request: Any, position: int) -> int:
 def _boundary_end(scheduler: Any, request: Any, position: int) -> int:
     units = [int(scheduler.cache_config.block_size)]
     with contextlib.suppress(Exception):
-        units.append(block_size_of(scheduler))
+        units.append(known_block_size(scheduler))
     unit = min(u for u in units if u > 0)
     return min((position // unit + 1) * unit, int(request.num_prompt_tokens))
 

@@ -23,9 +23,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import failure_reporter
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.decision import can_need_correction, crosses_next_boundary
 from vllm_mamba_fix.decide.scope import builtin_scope
-from vllm_mamba_fix.facts.blocks import SplitState
+from vllm_mamba_fix.facts.blocks import SPLIT_ATTR, SplitState
 from vllm_mamba_fix.facts.config import Scope
 from vllm_mamba_fix.facts.targets import MARKER, SPLIT_METHOD, Args, Kwargs
 from vllm_mamba_fix.observe import counters, record
@@ -39,7 +40,7 @@ from vllm_mamba_fix.rules.split_rule import (
     has_known_parameters,
     make_corrector,
 )
-from vllm_mamba_fix.rules.split_settle import SPLIT_ATTR, settle
+from vllm_mamba_fix.rules.split_settle import settle
 from vllm_mamba_fix.rules.zero_streaks import SPLIT_ZEROS, forget_request
 
 StateOf = Callable[[Any], SplitState]
@@ -77,7 +78,7 @@ def make_state_of(options: WrapOptions) -> StateOf:
         except Exception as exc:
             settle_failed(exc, None)
             state = SplitState(0, quiet=True, settled_for=options)  # stand down, once
-            setattr(scheduler, SPLIT_ATTR, state)
+            installation.set_on(scheduler, SPLIT_ATTR, state)
             return state
 
     return state_of

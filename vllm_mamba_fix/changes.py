@@ -1,0 +1,273 @@
+"""Every change the plugin makes to the process, recorded as it is made, and one undo.
+
+The plugin changes vLLM and the process in a few kinds of ways: it sets wrappers on vLLM's
+classes (the scheduler's methods, the API server's stream generators), puts import hooks on
+``sys.meta_path``, registers a collector on prometheus_client's ``REGISTRY``, sets an
+environment variable for the engine cores it starts, and keeps per-scheduler state as
+attributes of scheduler instances. Each of those is made through one :class:`Changes`, which
+keeps a :class:`Change` per change with what reverts it; :meth:`Changes.undo` reverts them
+newest first, once. :data:`installation` is the process's one record: the modules of
+``install/``, ``observe/`` and ``rules/`` write through it, and ``unregister()``
+(:mod:`vllm_mamba_fix.install.plugin`) is its undo.
+
+A change that someone else has overwritten since is left as they left it: a class attribute
+or environment variable is restored only while it still holds what the plugin put there.
+Scheduler instances are held weakly (a scheduler is never kept alive by the record), and an
+instance attribute the plugin did not set itself is never overwritten (:meth:`Changes.set_on`).
+
+Undoing never raises: a revert that fails is said once and the others still run. This module
+sits at the bottom of the package: it imports only the logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_mamba_fix._log import say_once
+
+_MISSING: Any = object()
+INSTANCE_TAG = "instance attributes"
+
+
+@dataclass(eq=False)
+class Change:
+    """One change the plugin made; ``revert`` puts back what was there."""
+
+    tag: str  # who made it: the module's name (its kind, after a colon, where it has two)
+    what: str  # for a reader: what was changed
+    revert: Callable[[], None]
+    target: Any = None  # the class, list or registry changed (None: an instance, held weakly)
+    name: str | None = None  # the attribute, variable or module name, where there is one
+    value: Any = None  # what the plugin put there
+
+
+@dataclass(eq=False)
+class _Owned:
+    """The attributes the plugin set (or claimed) on one instance, held weakly."""
+
+    ref: weakref.ref[Any]
+    names: set[str] = field(default_factory=set)
+    change: Change | None = None
+
+
+def _namespace(instance: Any) -> dict[str, Any] | None:
+    space = getattr(instance, "__dict__", None)
+    return space if isinstance(space, dict) else None
+
+
+def _type_name(instance: Any) -> str:
+    cls = type(instance)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Changes:
+    """The record of the plugin's changes to this process, and their undo."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._changes: list[Change] = []
+        self._instances: dict[int, _Owned] = {}  # id(instance) -> what the plugin set there
+
+    # -- recording ------------------------------------------------------------------------
+
+    def record(
+        self,
+        tag: str,
+        what: str,
+        revert: Callable[[], None],
+        target: Any = None,
+        name: str | None = None,
+        value: Any = None,
+    ) -> Change:
+        """Record a change the caller has just made, with the call that reverts it."""
+        change = Change(tag, what, revert, target, name, value)
+        with self._lock:
+            self._changes.append(change)
+        return change
+
+    def set_attr(self, target: Any, name: str, value: Any, tag: str) -> Change:
+        """``setattr(target, name, value)`` on a class or module; undo restores what its own
+        namespace held (or deletes the attribute), while it still holds ``value``."""
+        previous = vars(target).get(name, _MISSING)
+
+        def revert() -> None:
+            if vars(target).get(name, _MISSING) is not value:
+                return  # someone else's since: left as they left it
+            if previous is _MISSING:
+                delattr(target, name)
+            else:
+                setattr(target, name, previous)
+
+        with self._lock:
+            setattr(target, name, value)
+            what = f"{getattr(target, '__qualname__', target)!s}.{name}"
+            return self.record(tag, what, revert, target, name, value)
+
+    def set_env(self, name: str, value: str, tag: str) -> Change | None:
+        """``os.environ[name] = value``; undo restores the previous value or removes it, while
+        the variable still holds ``value``. Setting the value it already set records nothing."""
+        with self._lock:
+            current = os.environ.get(name)
+            if current == value and any(
+                c.target is os.environ and c.name == name for c in self._changes
+            ):
+                return None
+
+            def revert() -> None:
+                if os.environ.get(name) != value:
+                    return
+                if current is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = current
+
+            os.environ[name] = value
+            return self.record(tag, f"${name}", revert, os.environ, name, value)
+
+    def insert_first(self, items: list[Any], item: Any, tag: str, what: str, name: str) -> Change:
+        """Put ``item`` first in ``items`` (``sys.meta_path``); undo takes it out again."""
+
+        def revert() -> None:
+            if item in items:
+                items.remove(item)
+
+        with self._lock:
+            items.insert(0, item)
+            return self.record(tag, what, revert, items, name, item)
+
+    # -- instance attributes --------------------------------------------------------------
+
+    def set_on(self, instance: Any, name: str, value: Any) -> bool:
+        """Set attribute ``name`` of ``instance`` (a scheduler) to ``value``; undo deletes it.
+
+        Refused (False, said once) where ``instance`` already holds ``name`` and the plugin
+        did not set it, or where ``instance`` cannot be held weakly. Never raises.
+        """
+        with self._lock:
+            owned = self._own(instance, name)
+            if owned is None:
+                return False
+            owned.names.add(name)
+            try:
+                setattr(instance, name, value)
+            except Exception as exc:  # a class of its own __setattr__
+                say_once(logging.WARNING, f"cannot set {name} ({type(exc).__name__}: {exc})")
+                return False
+        return True
+
+    def claim(self, instance: Any, *names: str) -> bool:
+        """Take ``names`` of ``instance`` as the plugin's, to be set later where the code does
+        not call :meth:`set_on` yet; undo deletes them too. False: one was refused."""
+        with self._lock:
+            claimed = [self._own(instance, name) for name in names]
+            for owned, name in zip(claimed, names, strict=True):
+                if owned is not None:
+                    owned.names.add(name)
+        return all(owned is not None for owned in claimed)
+
+    def owns(self, instance: Any, name: str) -> bool:
+        with self._lock:
+            owned = self._instances.get(id(instance))
+            return owned is not None and owned.ref() is instance and name in owned.names
+
+    def _own(self, instance: Any, name: str) -> _Owned | None:
+        """The record of ``instance`` if the plugin may set ``name`` there. Holds the lock."""
+        owned = self._instances.get(id(instance))
+        if owned is not None and owned.ref() is not instance:
+            owned = None  # a dead instance's id, reused
+        space = _namespace(instance)
+        if space is not None and name in space and (owned is None or name not in owned.names):
+            cls = _type_name(instance)
+            say_once(
+                logging.WARNING,
+                f"left {name} of a {cls} as it is: the plugin did not set it",
+                scheduler_class=cls,
+                problem=f"{name} is not the plugin's",
+            )
+            return None
+        return owned or self._track(instance, space)
+
+    def _track(self, instance: Any, space: dict[str, Any] | None) -> _Owned | None:
+        try:
+            ref = weakref.ref(instance)
+        except TypeError:
+            ref = None
+        if ref is None or space is None:
+            cls = _type_name(instance)
+            say_once(logging.WARNING, f"keeps no state on a {cls} (no weakref or namespace)")
+            return None
+        self._prune()  # a dead instance of the same id goes here
+        owned = _Owned(ref)
+        key = id(instance)
+
+        def revert() -> None:
+            with self._lock:
+                if self._instances.get(key) is owned:
+                    del self._instances[key]
+            alive = ref()
+            space = _namespace(alive)
+            for name in sorted(owned.names):
+                if space is not None and name in space:
+                    delattr(alive, name)
+
+        owned.change = self.record(INSTANCE_TAG, f"attributes of a {_type_name(instance)}", revert)
+        self._instances[key] = owned
+        return owned
+
+    def _prune(self) -> None:
+        """Forget the instances that are gone (their attributes went with them)."""
+        dead = [key for key, owned in self._instances.items() if owned.ref() is None]
+        for key in dead:
+            change = self._instances.pop(key).change
+            self._changes = [c for c in self._changes if c is not change]
+
+    # -- reading and undoing ------------------------------------------------------------------
+
+    def changes(self, tag: str | None = None) -> list[Change]:
+        """The changes in force, oldest first (``tag``: only that module's)."""
+        with self._lock:
+            return [c for c in self._changes if tag is None or c.tag == tag]
+
+    def changed(self, target: Any, name: str) -> bool:
+        """Whether the plugin set ``target.<name>`` and has not undone it."""
+        with self._lock:
+            return any(c.target is target and c.name == name for c in self._changes)
+
+    def revert(self, change: Change | None) -> bool:
+        """Undo one change now (an import hook that was used up). False: it was undone."""
+        with self._lock:
+            if change is None or not any(c is change for c in self._changes):
+                return False
+            self._changes = [c for c in self._changes if c is not change]
+        _run(change)
+        return True
+
+    def undo(self, where: Callable[[Change], bool] | None = None) -> bool:
+        """Revert every change (``where``: those it accepts), newest first; each only once.
+
+        Returns whether anything was reverted. Never raises.
+        """
+        with self._lock:
+            chosen = [c for c in self._changes if where is None or where(c)]
+            gone = {id(c) for c in chosen}
+            self._changes = [c for c in self._changes if id(c) not in gone]
+        for change in reversed(chosen):
+            _run(change)
+        return bool(chosen)
+
+
+def _run(change: Change) -> None:
+    try:
+        change.revert()
+    except Exception as exc:  # the others are still undone
+        say_once(logging.WARNING, f"could not undo {change.what} ({type(exc).__name__}: {exc})")
+
+
+# The process's one record: install/ drives it (register() adds, unregister() undoes).
+installation = Changes()
