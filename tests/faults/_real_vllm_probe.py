@@ -131,8 +131,11 @@ def hygiene() -> None:
     class MambaSpec(SimpleNamespace):
         pass
 
+    class FakeScheduler(SimpleNamespace):
+        """A stand-in held weakly, as a real scheduler is (the installation's record)."""
+
     group = SimpleNamespace(kv_cache_spec=MambaSpec(block_size=128))
-    fake_self = SimpleNamespace(
+    fake_self = FakeScheduler(
         cache_config=SimpleNamespace(block_size=128),
         kv_cache_config=SimpleNamespace(kv_cache_groups=[group]),
         use_eagle=False,

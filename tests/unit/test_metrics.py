@@ -32,6 +32,7 @@ PARENT = """
 import json, multiprocessing as mp, os, sys, threading
 from vllm_mamba_fix.observe import counters, metrics
 from vllm_mamba_fix.decide.decision import Action
+counters.report_to(metrics)  # what register() wires in every process vLLM starts
 
 def through_counters(n):
     # The real counting path: counters.record() -> metrics.count().
