@@ -49,7 +49,7 @@ class Change:
 
 @dataclass(eq=False)
 class _Owned:
-    """The attributes the plugin set (or claimed) on one instance, held weakly."""
+    """The attributes the plugin set on one instance, held weakly."""
 
     ref: weakref.ref[Any]
     names: set[str] = field(default_factory=set)
@@ -160,16 +160,6 @@ class Changes:
                 say_once(logging.WARNING, f"cannot set {name} ({type(exc).__name__}: {exc})")
                 return False
         return True
-
-    def claim(self, instance: Any, *names: str) -> bool:
-        """Take ``names`` of ``instance`` as the plugin's, to be set later where the code does
-        not call :meth:`set_on` yet; undo deletes them too. False: one was refused."""
-        with self._lock:
-            claimed = [self._own(instance, name) for name in names]
-            for owned, name in zip(claimed, names, strict=True):
-                if owned is not None:
-                    owned.names.add(name)
-        return all(owned is not None for owned in claimed)
 
     def owns(self, instance: Any, name: str) -> bool:
         with self._lock:
