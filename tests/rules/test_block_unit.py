@@ -55,6 +55,10 @@ def ask(engaged: Any, scheduler: Scheduler, state: SplitState, req: Any, asked: 
     return int(engaged(scheduler, state, req, asked, 0, (), {}))
 
 
+def fall_back(exc: Exception, answer: Any) -> Any:
+    raise AssertionError(f"the rule failed: {exc!r}")  # nothing here may fail
+
+
 def looked(*args: Any) -> int:
     return args[3]  # the answer, as the split rule would leave it
 
@@ -68,7 +72,7 @@ def clean() -> Iterator[None]:
 def test_a_prefill_chunk_is_asked_in_the_caches_block_and_the_config_is_put_back() -> None:
     scheduler = Scheduler()
     real = scheduler.cache_config
-    engaged = make_engaged(split, absolute_end=True, look=looked)
+    engaged = make_engaged(split, absolute_end=True, look=looked, fall_back=fall_back)
     # [0, 300): the configured block ends it at 256 too; [0, 400): 256, not 384.
     assert ask(engaged, scheduler, state_of(scheduler), request(0), 300) == 256
     assert counters.stats()["block_rule_chunks"] == 0
@@ -80,7 +84,7 @@ def test_a_prefill_chunk_is_asked_in_the_caches_block_and_the_config_is_put_back
 
 def test_a_decode_is_vllms_answer_in_the_configured_block() -> None:
     scheduler = Scheduler()
-    engaged = make_engaged(split, absolute_end=True, look=looked)
+    engaged = make_engaged(split, absolute_end=True, look=looked, fall_back=fall_back)
     assert ask(engaged, scheduler, state_of(scheduler), request(PROMPT), 1) == 1
     assert scheduler.seen == [CONFIGURED]
 
@@ -92,7 +96,7 @@ def test_vllms_exception_propagates_and_the_config_is_still_put_back() -> None:
     def raising(self: Scheduler, *args: Any) -> int:
         raise ValueError("vLLM's own")
 
-    engaged = make_engaged(raising, absolute_end=True, look=looked)
+    engaged = make_engaged(raising, absolute_end=True, look=looked, fall_back=fall_back)
     with pytest.raises(ValueError, match="vLLM's own"):
         ask(engaged, scheduler, state_of(scheduler), request(0), 400)
     assert scheduler.cache_config is real
@@ -102,7 +106,7 @@ def test_starved_the_configured_answer_stops_at_the_caches_boundary() -> None:
     """A cache block longer than any chunk: asked in it, 0.15-0.26 would floor to 0 forever.
     The configured answer, stopped at the next cache boundary, is what stock schedules."""
     scheduler = Scheduler()
-    engaged = make_engaged(split, absolute_end=True, look=looked)
+    engaged = make_engaged(split, absolute_end=True, look=looked, fall_back=fall_back)
     state = state_of(scheduler, starved=True, size=2048)
     long_prompt = request(1900)
     long_prompt.num_prompt_tokens = long_prompt.num_tokens = 5000
@@ -123,7 +127,7 @@ def test_the_arguments_reach_vllm_untouched_and_their_tokens_count_as_computed()
         calls.append((n, args, kwargs))
         return n
 
-    engaged = make_engaged(recording, absolute_end=True, look=looked)
+    engaged = make_engaged(recording, absolute_end=True, look=looked, fall_back=fall_back)
     # 990 computed + 10 local: the chunk starts at the end of the prompt, a decode
     assert engaged(scheduler, state_of(scheduler), request(990), 1, 10, (10, 0), {"x": 1}) == 1
     assert calls == [(1, (10, 0), {"x": 1})]

@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_mamba_fix._log import failure_reporter
 from vllm_mamba_fix.decide.decision import (
     Action,
     configured_floor_differs,
@@ -45,10 +44,15 @@ Look = Callable[[Any, Any, int, int, int, SplitState, Args, Kwargs], int]
 Engaged = Callable[[Any, SplitState, Any, int, int, Args, Kwargs], int]
 
 
-def make_engaged(original: Callable[..., int], absolute_end: bool, look: Look) -> Engaged:
+def make_engaged(
+    original: Callable[..., int],
+    absolute_end: bool,
+    look: Look,
+    fall_back: Callable[[Exception, Any], Any],
+) -> Engaged:
     """The split call of an engaged scheduler: ``engaged(scheduler, state, request, asked,
-    offset, args, kwargs)``, ``offset`` being the computed tokens the arguments add."""
-    fall_back = failure_reporter("correction")
+    offset, args, kwargs)``, ``offset`` being the computed tokens the arguments add; a failure
+    is reported through the wrapper's ``fall_back`` and answered with vLLM's chunk."""
 
     def engaged(self: Any, state: SplitState, request: Any, asked: int, offset: int,
                 args: Args, kwargs: Kwargs) -> int:  # fmt: skip

@@ -58,10 +58,12 @@ def settle_if_differs(scheduler: Any) -> None:
 
 def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable[..., int]:
     """Wrap the split ``original``; vLLM's own exceptions propagate, the wrapper's never do."""
+    # One report per wrapper, whichever step of a call fails first (then vLLM's answer).
+    fall_back = failure_reporter("correction")
     state_of = make_state_of(options)
-    look = make_look(original, options)
-    engaged = block_unit.make_engaged(original, options.absolute_end, look)
-    parts = SplitParts(original, options, state_of, engaged, look)
+    look = make_look(original, options, fall_back)
+    engaged = block_unit.make_engaged(original, options.absolute_end, look, fall_back)
+    parts = SplitParts(original, options, state_of, engaged, look, fall_back)
     wrapper = _known_signature(parts) if has_known_parameters(original) else _any_signature(parts)
     return marked(wrapper, original, options)
 
@@ -92,15 +94,15 @@ class SplitParts(NamedTuple):
     state_of: StateOf  # the scheduler's settled state
     engaged: Engaged  # the block-unit rule's call (rules/block_unit.py)
     look: Look  # what becomes of vLLM's answer (make_look)
+    fall_back: Callable[[Exception, Any], Any]  # the wrapper's one failure report
 
 
 def _known_signature(parts: SplitParts) -> Callable[..., int]:
     """The wrapper for the split's known parameters, the one vLLM calls on every release: it
     forwards positionally (no ``*args``/``**kwargs``, which alone would cost about 0.6 us a
     call) and returns a whole chunk at once unless a rule can look at it."""
-    original, options, state_of, engaged, look = parts
+    original, options, state_of, engaged, look, fall_back = parts
     heard = SPLIT_ZEROS.by_request  # requests whose split 0 the watchdog heard
-    fall_back = failure_reporter("correction")
 
     def split(
         self: Any,
@@ -147,8 +149,7 @@ def _known_signature(parts: SplitParts) -> Callable[..., int]:
 
 def _any_signature(parts: SplitParts) -> Callable[..., int]:
     """The wrapper for a split whose trailing parameters the plugin does not know."""
-    original, options, state_of, engaged, look = parts
-    fall_back = failure_reporter("correction")
+    original, options, state_of, engaged, look, fall_back = parts
 
     def split(self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> int:
         state = getattr(self, SPLIT_ATTR, None)
@@ -173,7 +174,9 @@ def _any_signature(parts: SplitParts) -> Callable[..., int]:
     return split
 
 
-def make_look(original: Callable[..., int], options: WrapOptions) -> Look:
+def make_look(
+    original: Callable[..., int], options: WrapOptions, fall_back: Callable[[Exception, Any], Any]
+) -> Look:
     """What the wrapper does with vLLM's answer: returned as it is unless a rule can act on
     it (a whole chunk that crosses a boundary from mid-block, a 0 of the split rule's scope,
     any changed chunk, or a request whose 0 the watchdog heard), else corrected; a final 0
@@ -182,7 +185,6 @@ def make_look(original: Callable[..., int], options: WrapOptions) -> Look:
     hears = options.hears_split_zeros
     split_rule_takes = _split_rule_scope(options)
     correct = make_corrector(original, options)
-    fall_back = failure_reporter("correction")
 
     def look(self: Any, request: Any, asked: int, answer: int, start: int, state: SplitState,
              args: Args, kwargs: Kwargs) -> int:  # fmt: skip
