@@ -11,9 +11,19 @@ from typing import Any
 
 import pytest
 
+from vllm_mamba_fix._log import FIELD_PREFIX
 from vllm_mamba_fix.hookspecs import ENTRY_POINT_GROUP
 
 PLUGIN_LOGGER = "vllm.mamba_fix"
+
+
+def facts_of(record: logging.LogRecord) -> dict[str, Any]:
+    """The plugin's fields on ``record``, without the prefix."""
+    return {
+        name.removeprefix(FIELD_PREFIX): value
+        for name, value in vars(record).items()
+        if name.startswith(FIELD_PREFIX)
+    }
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

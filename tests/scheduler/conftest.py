@@ -18,14 +18,12 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from tools import sched_harness as harness
-from vllm_mamba_fix._log import FIELD_PREFIX
 from vllm_mamba_fix.facts.versions import Family, family_for
 
 PLUGIN_ENV = ("VLLM_MAMBA_FIX", "VLLM_MAMBA_FIX_SCOPE", "VLLM_PLUGINS")
@@ -120,15 +118,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tools.matrix import probe
 
     Path(target).write_text(json.dumps(probe(), indent=1))
-
-
-def facts_of(record: logging.LogRecord) -> dict[str, Any]:
-    """The plugin's fields on ``record``, without the prefix."""
-    return {
-        name.removeprefix(FIELD_PREFIX): value
-        for name, value in vars(record).items()
-        if name.startswith(FIELD_PREFIX)
-    }
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.scheduler.conftest import facts_of
+from tests.conftest import facts_of
 from tests.stall_end_helpers import install_clock, stall_end_installed, update_wrapped
 from tools import scenarios as sc
 from tools import sched_harness as harness

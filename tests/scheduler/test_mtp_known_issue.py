@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.scheduler.conftest import facts_of
+from tests.conftest import facts_of
 from tools import sched_harness as harness
 from vllm_mamba_fix.facts.blocks import BLOCK_ATTR, BlockUnit
 from vllm_mamba_fix.observe import mtp_tokens

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import facts_of
 from vllm_mamba_fix import _log
 from vllm_mamba_fix._log import EVENTS, FIELD_PREFIX, FIELDS
 from vllm_mamba_fix.decide.decision import Action
@@ -23,15 +24,6 @@ from vllm_mamba_fix.observe import counters
 REPO = Path(__file__).resolve().parents[2]
 DEPLOYMENT = REPO / "docs" / "deployment.md"
 EXAMPLE = REPO / "examples" / "vllm_json_logging.json"
-
-
-def facts_of(record: logging.LogRecord) -> dict[str, Any]:
-    """The plugin's fields on ``record``, without the prefix."""
-    return {
-        name.removeprefix(FIELD_PREFIX): value
-        for name, value in vars(record).items()
-        if name.startswith(FIELD_PREFIX)
-    }
 
 
 @pytest.fixture
