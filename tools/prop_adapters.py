@@ -333,12 +333,12 @@ def wrapped_without_realign() -> Iterator[None]:
     from vllm_mamba_fix.facts.config import Scope
     from vllm_mamba_fix.facts.versions import family_for
     from vllm_mamba_fix.install import patch
-    from vllm_mamba_fix.rules import wrappers
+    from vllm_mamba_fix.rules import split_rule
 
     family = family_for(harness.vllm_version())
     assert family.prefill_gate is not None
     with stock():
-        options = wrappers.WrapOptions(
+        options = split_rule.WrapOptions(
             family.prefill_gate, ScopePolicy(Scope.MULTIMODAL), realign=False
         )
         patch.wrap(Scheduler, options)

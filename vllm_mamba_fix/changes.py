@@ -161,6 +161,34 @@ class Changes:
                 return False
         return True
 
+    def replace_on(self, instance: Any, name: str, value: Any) -> bool:
+        """Replace ``instance``'s own attribute ``name`` (vLLM's) by ``value``; undo puts the
+        original back while the attribute still holds ``value``. The instance is held weakly.
+
+        Refused (False, said once) where ``instance`` has no such attribute of its own or
+        cannot be held weakly. Never raises.
+        """
+        space = _namespace(instance)
+        try:
+            ref = weakref.ref(instance)
+        except TypeError:
+            ref = None
+        if ref is None or space is None or name not in space:
+            cls = _type_name(instance)
+            say_once(logging.WARNING, f"cannot replace {name} of a {cls}: not its own attribute")
+            return False
+        previous = space[name]
+
+        def revert() -> None:
+            alive = ref()
+            if alive is not None and vars(alive).get(name) is value:
+                setattr(alive, name, previous)
+
+        with self._lock:
+            setattr(instance, name, value)
+            self.record(INSTANCE_TAG, f"{name} of a {_type_name(instance)}", revert, None, name)
+        return True
+
     def owns(self, instance: Any, name: str) -> bool:
         with self._lock:
             owned = self._instances.get(id(instance))

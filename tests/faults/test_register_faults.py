@@ -36,7 +36,7 @@ from vllm_mamba_fix.facts import targets, versions
 from vllm_mamba_fix.install import import_hook, patch, plugin
 from vllm_mamba_fix.observe import record
 from vllm_mamba_fix.observe.record import MethodState
-from vllm_mamba_fix.rules import wrappers
+from vllm_mamba_fix.rules import split_rule
 
 FakeFactory = Callable[..., FakeVllm]
 
@@ -209,7 +209,7 @@ def test_already_patched_by_us_is_not_wrapped_again(
     """A wrapper left by another copy of the plugin (say, a reloaded module)."""
     scheduler = fake_vllm().import_scheduler()
     original = scheduler_method(scheduler)
-    options = wrappers.WrapOptions(
+    options = split_rule.WrapOptions(
         prefill_gate=versions.PrefillGate.BEFORE_PREFILL_END,
         scope=ScopePolicy(plugin.load_settings().scope),
     )

@@ -1,35 +1,41 @@
-"""rules/block_unit.py: the block-unit rule's engaged split call (vLLM #54076).
+"""rules/block_unit.py: the block-unit rule, engaged once per scheduler (vLLM #54076).
 
-vLLM's split is a function that records the ``cache_config.block_size`` it read; the rule must
-ask it through the cache's block on a prefill chunk only, always put the scheduler's own
-``cache_config`` back, and count a chunk the configured block would have ended elsewhere.
-The rule on the real Scheduler and engine: tests/scheduler/test_block_units.py and
+vLLM's split is a function that records the ``cache_config.block_size`` it read. Where the
+cache's block differs from the configured one, the scheduler is given a view of its
+``cache_config`` with the cache's block at its first split; every later call of vLLM's split
+reads it with no swap and no second call; undoing the record puts the scheduler's own back.
+A chunk the configured block would have ended elsewhere is counted on the slow path. The
+rule on the real Scheduler of every release, against stock with the block pinned:
+tests/scheduler/test_block_units.py, tests/scheduler/test_block_unit_exhaustive.py and
 tests/e2e/test_cache_reuse.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from vllm_mamba_fix.facts.blocks import CacheConfigView, SplitState
+from vllm_mamba_fix.changes import installation
+from vllm_mamba_fix.decide.scope import ScopePolicy
+from vllm_mamba_fix.facts.blocks import BLOCK_ATTR, CacheConfigView
+from vllm_mamba_fix.facts.config import Scope
+from vllm_mamba_fix.facts.versions import PrefillGate
 from vllm_mamba_fix.observe import counters
-from vllm_mamba_fix.rules.block_unit import make_engaged
+from vllm_mamba_fix.rules.split_rule import WrapOptions, make_wrapper
 
 CACHE_BLOCK, CONFIGURED = 256, 128
 PROMPT = 1000
+# The block-unit rule alone, on a release whose split stops mid-block starts itself (0.27+).
+OPTIONS = WrapOptions(
+    PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL), deadlock_rules=False,
+    realign_others=False, absolute_end=True,
+)  # fmt: skip
 
 
-class Scheduler:
-    def __init__(self) -> None:
-        self.cache_config = SimpleNamespace(block_size=CONFIGURED, enable_prefix_caching=True)
-        self.seen: list[int] = []
-
-
-def split(self: Scheduler, request: Any, num_new_tokens: int, *_: Any) -> int:
+def split(self: Any, request: Any, num_new_tokens: int, *_: Any) -> int:
     """vLLM 0.26+'s floor, in whatever block ``cache_config`` says now."""
     block = self.cache_config.block_size
     self.seen.append(block)
@@ -40,95 +46,105 @@ def split(self: Scheduler, request: Any, num_new_tokens: int, *_: Any) -> int:
     return max(0, end // block * block - start)
 
 
-def request(at: int) -> Any:
+def scheduler_class(method: Callable[..., int] = split) -> type:
+    return type("Scheduler", (), {"_mamba_block_aligned_split": make_wrapper(method, OPTIONS)})
+
+
+def build(cls: type, budget: int = 8192) -> Any:
+    scheduler = cls()
+    scheduler.cache_config = SimpleNamespace(block_size=CONFIGURED, enable_prefix_caching=True)
+    scheduler.max_num_scheduled_tokens = budget
+    scheduler.scheduler_config = SimpleNamespace(long_prefill_token_threshold=0)
+    setattr(scheduler, BLOCK_ATTR, CACHE_BLOCK)  # the Mamba group's block, read when built
+    scheduler.seen = []
+    return scheduler
+
+
+def request(at: int, prompt: int = PROMPT) -> Any:
     return SimpleNamespace(
-        request_id="r", num_computed_tokens=at, num_prompt_tokens=PROMPT, num_tokens=PROMPT
-    )
-
-
-def state_of(scheduler: Scheduler, starved: bool = False, size: int = CACHE_BLOCK) -> SplitState:
-    view = CacheConfigView(scheduler.cache_config, size)
-    return SplitState(size, view, CONFIGURED, starved=starved)
-
-
-def ask(engaged: Any, scheduler: Scheduler, state: SplitState, req: Any, asked: int) -> int:
-    return int(engaged(scheduler, state, req, asked, 0, (), {}))
-
-
-def fall_back(exc: Exception, answer: Any) -> Any:
-    raise AssertionError(f"the rule failed: {exc!r}")  # nothing here may fail
-
-
-def looked(*args: Any) -> int:
-    return args[3]  # the answer, as the split rule would leave it
+        request_id="r", num_computed_tokens=at, num_prompt_tokens=prompt, num_tokens=prompt,
+        has_encoder_inputs=False,
+    )  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
 def clean() -> Iterator[None]:
     counters.reset()
     yield
+    installation.undo(lambda change: change.name == "cache_config")
 
 
-def test_a_prefill_chunk_is_asked_in_the_caches_block_and_the_config_is_put_back() -> None:
-    scheduler = Scheduler()
+def test_vllms_split_floors_in_the_caches_block_with_no_swap_per_call() -> None:
+    scheduler = build(scheduler_class())
     real = scheduler.cache_config
-    engaged = make_engaged(split, absolute_end=True, look=looked, fall_back=fall_back)
+    ask = scheduler._mamba_block_aligned_split
     # [0, 300): the configured block ends it at 256 too; [0, 400): 256, not 384.
-    assert ask(engaged, scheduler, state_of(scheduler), request(0), 300) == 256
+    assert ask(request(0), 300) == 256
     assert counters.stats()["block_rule_chunks"] == 0
-    assert ask(engaged, scheduler, state_of(scheduler), request(0), 400) == 256
+    assert ask(request(0), 400) == 256
     assert counters.stats()["block_rule_chunks"] == 1
-    assert scheduler.seen == [CACHE_BLOCK, CACHE_BLOCK]
+    assert ask(request(PROMPT), 1) == 1  # a decode: whole in either block
+    assert scheduler.seen == [CACHE_BLOCK] * 3
+    view = scheduler.cache_config
+    assert isinstance(view, CacheConfigView) and view.block_size == CACHE_BLOCK
+    assert view.enable_prefix_caching is True and real.block_size == CONFIGURED
+    assert vars(scheduler)["cache_config"] is view  # the same view on every call
+
+
+def test_undoing_the_record_gives_the_scheduler_its_own_cache_config_back() -> None:
+    scheduler = build(scheduler_class())
+    real = scheduler.cache_config
+    scheduler._mamba_block_aligned_split(request(0), 400)
+    assert scheduler.cache_config is not real
+    assert installation.undo(lambda change: change.name == "cache_config")
     assert scheduler.cache_config is real
 
 
-def test_a_decode_is_vllms_answer_in_the_configured_block() -> None:
-    scheduler = Scheduler()
-    engaged = make_engaged(split, absolute_end=True, look=looked, fall_back=fall_back)
-    assert ask(engaged, scheduler, state_of(scheduler), request(PROMPT), 1) == 1
-    assert scheduler.seen == [CONFIGURED]
-
-
-def test_vllms_exception_propagates_and_the_config_is_still_put_back() -> None:
-    scheduler = Scheduler()
-    real = scheduler.cache_config
-
-    def raising(self: Scheduler, *args: Any) -> int:
+def test_vllms_exception_propagates() -> None:
+    def raising(self: Any, *args: Any) -> int:
         raise ValueError("vLLM's own")
 
-    engaged = make_engaged(raising, absolute_end=True, look=looked, fall_back=fall_back)
+    scheduler = build(scheduler_class(raising))
     with pytest.raises(ValueError, match="vLLM's own"):
-        ask(engaged, scheduler, state_of(scheduler), request(0), 400)
-    assert scheduler.cache_config is real
+        scheduler._mamba_block_aligned_split(request(0), 400)
 
 
 def test_starved_the_configured_answer_stops_at_the_caches_boundary() -> None:
     """A cache block longer than any chunk: asked in it, 0.15-0.26 would floor to 0 forever.
     The configured answer, stopped at the next cache boundary, is what stock schedules."""
-    scheduler = Scheduler()
-    engaged = make_engaged(split, absolute_end=True, look=looked, fall_back=fall_back)
-    state = state_of(scheduler, starved=True, size=2048)
-    long_prompt = request(1900)
-    long_prompt.num_prompt_tokens = long_prompt.num_tokens = 5000
+    cls = scheduler_class()
+    scheduler = build(cls, budget=300)
+    setattr(scheduler, BLOCK_ATTR, 2048)
+    ask = scheduler._mamba_block_aligned_split
     # configured: [1900, 2176); the cache's boundary at 2048 comes first
-    assert ask(engaged, scheduler, state, long_prompt, 300) == 148
+    assert ask(request(1900, prompt=5000), 300) == 148
     assert counters.stats()["block_rule_chunks"] == 1
-    long_prompt.num_computed_tokens = 0
-    assert ask(engaged, scheduler, state, long_prompt, 300) == 256  # stock's chunk
+    assert ask(request(0, prompt=5000), 300) == 256  # stock's chunk
     assert counters.stats()["block_rule_chunks"] == 1
     assert scheduler.seen == [CONFIGURED, CONFIGURED]
+    assert not isinstance(scheduler.cache_config, CacheConfigView)
 
 
-def test_the_arguments_reach_vllm_untouched_and_their_tokens_count_as_computed() -> None:
-    scheduler = Scheduler()
+def test_the_arguments_reach_vllm_untouched() -> None:
     calls: list[tuple[Any, ...]] = []
 
-    def recording(self: Scheduler, req: Any, n: int, *args: Any, **kwargs: Any) -> int:
+    def recording(self: Any, req: Any, n: int, *args: Any, **kwargs: Any) -> int:
         calls.append((n, args, kwargs))
         return n
 
-    engaged = make_engaged(recording, absolute_end=True, look=looked, fall_back=fall_back)
-    # 990 computed + 10 local: the chunk starts at the end of the prompt, a decode
-    assert engaged(scheduler, state_of(scheduler), request(990), 1, 10, (10, 0), {"x": 1}) == 1
-    assert calls == [(1, (10, 0), {"x": 1})]
-    assert scheduler.cache_config.block_size == CONFIGURED
+    scheduler = build(scheduler_class(recording))
+    assert scheduler._mamba_block_aligned_split(request(990), 1, 10, 0) == 1
+    assert calls == [(1, (10, 0), {})]
+
+
+def test_a_cache_config_of_the_class_is_left_alone() -> None:
+    """Not an instance attribute: the rule stands down (vLLM's configured split)."""
+    cls = scheduler_class()
+    cls.cache_config = SimpleNamespace(block_size=CONFIGURED)
+    scheduler = cls()
+    scheduler.max_num_scheduled_tokens = 8192
+    scheduler.scheduler_config = SimpleNamespace(long_prefill_token_threshold=0)
+    setattr(scheduler, BLOCK_ATTR, CACHE_BLOCK)
+    scheduler.seen = []
+    assert scheduler._mamba_block_aligned_split(request(0), 400) == 384
+    assert "cache_config" not in vars(scheduler)

@@ -20,7 +20,7 @@ from vllm_mamba_fix.facts.config import Scope
 from vllm_mamba_fix.facts.versions import PrefillGate
 from vllm_mamba_fix.observe import counters
 from vllm_mamba_fix.rules import encoder_cut
-from vllm_mamba_fix.rules.split_rule import WrapOptions, make_corrector
+from vllm_mamba_fix.rules.split_rule import SplitCall, SplitRule, WrapOptions
 
 BLOCK = 256
 PROMPT = 2000
@@ -59,8 +59,8 @@ def correct(req: Any, asked: int, beyond: bool = False, **options: Any) -> int:
         encoder_cut.note(scheduler, req, req.num_computed_tokens, req.cut_from, asked)
     answer = vllm_split(scheduler, req, asked)
     state = SplitState(BLOCK, beyond_chunk=beyond)
-    fix = make_corrector(vllm_split, wrap)
-    return fix(scheduler, req, asked, answer, req.num_computed_tokens, state, (), {})
+    call = SplitCall(scheduler, req, asked, answer, 0, state, ())
+    return SplitRule(vllm_split, wrap).correct(call, req.num_computed_tokens)
 
 
 def test_an_encoder_cut_under_a_block_ends_at_the_cut_not_at_0() -> None:
@@ -124,16 +124,13 @@ def test_a_mid_block_chunk_crossing_a_boundary_is_re_aligned() -> None:
 
     req = request(at=100)
     wrap = WrapOptions(PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL))
-    fix = make_corrector(length_floor, wrap)
     answer = length_floor(None, req, 600)
     assert answer == 512
-    assert fix(None, req, 600, answer, 100, SplitState(BLOCK), (), {}) == 156
+    call = SplitCall(None, req, 600, answer, 0, SplitState(BLOCK), ())
+    assert SplitRule(length_floor, wrap).correct(call, 100) == 156
     assert counters.stats()["chunks_realigned"] == 1
     off = WrapOptions(PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL), realign=False)
-    assert (
-        make_corrector(length_floor, off)(None, req, 600, 512, 100, SplitState(BLOCK), (), {})
-        == 512
-    )
+    assert SplitRule(length_floor, off).correct(call, 100) == 512
 
 
 def test_a_decode_is_never_corrected() -> None:

@@ -97,10 +97,10 @@ def wrapped_without_realign(family: Family) -> Iterator[None]:
     from vllm_mamba_fix.decide.scope import ScopePolicy
     from vllm_mamba_fix.facts.config import Scope
     from vllm_mamba_fix.install import patch
-    from vllm_mamba_fix.rules import wrappers
+    from vllm_mamba_fix.rules import split_rule
 
     assert family.prefill_gate is not None
-    options = wrappers.WrapOptions(
+    options = split_rule.WrapOptions(
         family.prefill_gate, ScopePolicy(Scope.MULTIMODAL), realign=False
     )
     patch.wrap(Scheduler, options)

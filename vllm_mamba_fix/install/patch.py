@@ -39,12 +39,8 @@ from vllm_mamba_fix.facts.targets import (
 from vllm_mamba_fix.observe.record import MethodRecord, MethodState, class_name
 from vllm_mamba_fix.rules import table as rules
 from vllm_mamba_fix.rules.encoder_wrapper import EncoderOptions, make_encoder_wrapper
-from vllm_mamba_fix.rules.wrappers import (
-    WrapOptions,
-    make_free_request_wrapper,
-    make_init_wrapper,
-    make_wrapper,
-)
+from vllm_mamba_fix.rules.split_rule import WrapOptions, make_wrapper
+from vllm_mamba_fix.rules.wrappers import make_free_request_wrapper, make_init_wrapper
 
 # Per rule-carrying method, its wrapper's options (None: that method carries no rule).
 MethodOptions = Mapping[str, Any]

@@ -31,7 +31,9 @@ metrics: Sink | None = None
 def report_to(sink: Sink | None) -> None:
     """Send every count to ``sink`` as well (plugin.py hands it metrics.py)."""
     global metrics
-    metrics = sink
+    with _lock:
+        _unsent.clear()  # counted for the sink in place, which unregister() has taken down
+        metrics = sink
 
 
 # Requests whose first correction was logged at info; bounded so a long-running
@@ -69,6 +71,12 @@ _standing: dict[str, float] = {}
 wall_clock = time.time  # tests put their own here
 # The process that registered the summary; a forked child registers its own.
 _summary_pid: int | None = None
+# Corrections counted and not yet sent to metrics (send_counts), and the process whose timer
+# will send them (None: no timer pending) and whose exit sends the rest.
+SEND_SECONDS = 1.0
+_unsent: dict[str, int] = {}
+_sender_pid: int | None = None
+_finalizer_pid: int | None = None
 
 
 def stats() -> dict[str, int]:
@@ -81,6 +89,7 @@ def reset() -> None:
     with _lock:
         for key in _counts:
             _counts[key] = 0
+        _unsent.clear()
         _logged_requests.clear()
         _standing.clear()
 
@@ -93,18 +102,22 @@ def _count(key: str) -> None:
 
 
 def record(action: Action, request_id: str, start: int, num_tokens: int, block_size: int) -> None:
+    """A correction: counted now, sent to metrics within :data:`SEND_SECONDS` (a split call
+    that corrects never writes a metrics file), logged once per request at INFO."""
     key = ACTION_KEYS[action]
     totals = None
     with _lock:
         _counts[key] += 1
+        if metrics is not None:
+            _unsent[key] = _unsent.get(key, 0) + 1
+            if _sender_pid != os.getpid():
+                _send_soon()
         first = action not in _QUIET and request_id not in _logged_requests
         if first:
             _logged_requests[request_id] = None
             if len(_logged_requests) > _MAX_REMEMBERED_REQUESTS:
                 _logged_requests.popitem(last=False)
             totals = dict(_counts)
-    if metrics is not None:
-        metrics.count(key)
     # The fields are built only for a record that is emitted: most corrections log nothing.
     level = logging.INFO if totals is not None else logging.DEBUG
     if not logger.isEnabledFor(level):
@@ -120,6 +133,42 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
         position=start, tokens=num_tokens, block=block_size,
     )  # fmt: skip
     logger.log(level, line, *args, extra=extra)
+
+
+def _send_soon() -> None:
+    """Send the corrections counted from now on within :data:`SEND_SECONDS`. Holds ``_lock``.
+
+    One timer thread at a time per process (a forked child starts its own); what is unsent
+    at exit is sent by a finalizer, which multiprocessing runs in an engine core too.
+    """
+    global _sender_pid, _finalizer_pid
+    _sender_pid = os.getpid()
+    timer = threading.Timer(SEND_SECONDS, send_counts)
+    timer.daemon = True
+    timer.start()
+    if _finalizer_pid != _sender_pid:
+        _finalizer_pid = _sender_pid
+        from multiprocessing import util
+
+        util.Finalize(None, send_counts, exitpriority=20)
+
+
+def send_counts() -> None:
+    """Send the corrections counted since the last send to metrics (the timer's, at exit,
+    and tests that read metrics at once). Never raises."""
+    global _sender_pid
+    with _lock:
+        unsent = dict(_unsent)
+        _unsent.clear()
+        _sender_pid = None
+    sink = metrics
+    if sink is None:
+        return
+    for key, amount in unsent.items():
+        try:
+            sink.count(key, amount)
+        except Exception:  # the sink says its own failures; a count never breaks vLLM
+            return
 
 
 def totals_text(counts: dict[str, int]) -> str:

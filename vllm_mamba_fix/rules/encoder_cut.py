@@ -9,7 +9,7 @@ chunk first and cuts second (vLLM #51603), so an encoder cut is never floored to
 The split alone cannot tell an encoder cut from a token-budget cut that happens to end
 before an image; the encoder check can. Its wrapper notes, per scheduler, the request it
 was asked about, where that request stood, how many tokens it was asked for and how many
-it gave; the split wrapper asks :func:`uncut_tokens` for the same request at the same
+it gave; the split wrapper reads it (:data:`last`) for the same request at the same
 position. A note is overwritten by the next check, so it only ever describes the chunk the
 split is asked about now; it holds ids, never the objects. No vLLM import.
 """
@@ -23,31 +23,18 @@ from typing import Any
 # encoder cut), the tokens it gave). Ids, so that the note holds no reference; a plain
 # tuple, since every call of the check writes one. vLLM asks the split right after the
 # check, on the same thread; a note of another scheduler or request (interleaved threads)
-# matches no split: stock's.
+# matches no split: stock's. The split rule reads it in place (split_rule.SplitRule).
 EncoderCut = tuple[int, int, int, int, int]
-_last: EncoderCut | None = None
+last: EncoderCut | None = None
 
 
 def note(scheduler: Any, request: Any, computed: int, asked: int, given: int) -> None:
     """The encoder check of ``scheduler`` gave ``given`` of ``asked`` tokens at ``computed``."""
-    global _last
-    _last = (id(scheduler), id(request), computed, asked, given)
-
-
-def uncut_tokens(scheduler: Any, request: Any, start: int, num_new_tokens: int) -> int | None:
-    """The chunk the split would have been asked for without the encoder cut, where the
-    encoder check cut exactly this one (``num_new_tokens`` at ``start``); else None."""
-    if _last is None:
-        return None
-    noted_scheduler, noted_request, computed, asked, given = _last
-    if (noted_scheduler, noted_request, computed, given) != (
-        id(scheduler), id(request), start, num_new_tokens,
-    ) or asked <= num_new_tokens:  # fmt: skip
-        return None
-    return asked
+    global last
+    last = (id(scheduler), id(request), computed, asked, given)
 
 
 def forget() -> None:
     """Drop the note (tests, and unregister())."""
-    global _last
-    _last = None
+    global last
+    last = None

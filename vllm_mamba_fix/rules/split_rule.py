@@ -4,20 +4,37 @@
 #           a chunk cut short before an image to 0 tokens on every step. Upstream fixed the
 #           order in vLLM #51603 ("Apply Mamba alignment before encoder caps", 0.28.0).
 # Runs on:  0.15.0-0.27.1; on 0.28+ only under a scheduler whose own schedule() keeps the old
-#           order (a platform's, or a build without #51603). Carried by the split method's
-#           wrapper (rules/wrappers.py); the encoder check's wrapper tells it which chunks that
-#           check cut (rules/encoder_cut.py). Answers to upstream 0.28.0: what 0.28 completes,
-#           the rule completes, with 0.28's chunks.
+#           order (a platform's, or a build without #51603). This module is also the split
+#           method's wrapper, the carrier of the block-unit rule (rules/block_unit.py); the
+#           encoder check's wrapper tells it which chunks that check cut (rules/encoder_cut.py).
+#           Answers to upstream 0.28.0: what 0.28 completes, the rule completes, with 0.28's
+#           chunks.
 # Decided:  by the scheduler class's own code (facts/evidence.py: split after encoder
 #           budgeting), by the version where the code cannot tell (decide/policy.py:
 #           split_verdict); VLLM_MAMBA_FIX=force installs it on any release.
 # Removed:  once the oldest supported release has #51603 and no supported scheduler budgets
 #           encoder inputs before the split.
-"""The split rule's corrector: what the split wrapper does with an answer a rule acts on.
+"""The split method's wrapper and the split rule, top to bottom.
 
-:func:`make_corrector` builds the rare path of :mod:`vllm_mamba_fix.rules.wrappers`: it asks
-:func:`vllm_mamba_fix.decide.decision.decide` with the request's numbers, the scope hook, and
-counts and logs a correction. No vLLM import; the scheduler and request are vLLM's.
+1. :class:`WrapOptions`: which rules a built wrapper carries.
+2. Per scheduler, once: its :class:`~vllm_mamba_fix.facts.blocks.SplitState`, settled at its
+   first split (:mod:`vllm_mamba_fix.rules.split_settle`; the block-unit rule's view of
+   ``cache_config`` is given to the scheduler there, so vLLM's split floors in the cache's
+   block by itself).
+3. Per call (:func:`make_wrapper`): vLLM's answer; returned at once where the scheduler is
+   quiet, or the answer is the whole chunk and no whole chunk can cross a boundary (every
+   decode, most prefill chunks). Nothing else of the package runs then.
+4. The rest, one :class:`SplitCall` with named fields, meets :meth:`SplitRule.look`: the
+   block-unit rule's count (and its stop where ``starved``), a 0 out of the rule's scope
+   returned as it is, else :meth:`SplitRule.correct`, which asks
+   :func:`vllm_mamba_fix.decide.decision.decide` with plain numbers and counts the
+   correction.
+
+The fast-path predicates are :func:`~vllm_mamba_fix.decide.decision.can_need_correction`
+and :func:`~vllm_mamba_fix.decide.decision.whole_chunks_may_cross`, beside ``decide()`` and
+tested against it exhaustively (tests/unit/test_decision.py). A wrapper never raises anything
+of its own into vLLM: vLLM's own exceptions propagate, the plugin's never do. No vLLM import;
+the scheduler and request are vLLM's.
 """
 
 from __future__ import annotations
@@ -25,17 +42,23 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from vllm_mamba_fix._log import failure_reporter
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.decision import (
     Action,
     Decision,
+    can_need_correction,
+    configured_floor_differs,
+    crosses_next_boundary,
     decide,
     in_prefill_by_output_tokens,
     in_prefill_by_position,
 )
-from vllm_mamba_fix.decide.scope import ScopePolicy
-from vllm_mamba_fix.facts.blocks import SplitState
+from vllm_mamba_fix.decide.scope import ScopePolicy, builtin_scope
+from vllm_mamba_fix.facts.blocks import SPLIT_ATTR, SplitState
+from vllm_mamba_fix.facts.config import Scope
 from vllm_mamba_fix.facts.targets import (
     EXTRA_COMPUTED_PARAMETERS,
     KNOWN_SPLIT_TRAILING_PARAMETERS,
@@ -44,8 +67,12 @@ from vllm_mamba_fix.facts.targets import (
     Kwargs,
 )
 from vllm_mamba_fix.facts.versions import PrefillGate
-from vllm_mamba_fix.observe import counters
-from vllm_mamba_fix.rules import encoder_cut
+from vllm_mamba_fix.observe import counters, record
+from vllm_mamba_fix.rules import block_unit, encoder_cut
+from vllm_mamba_fix.rules.marking import marked
+from vllm_mamba_fix.rules.split_settle import settle
+
+# -- 1. options ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -56,8 +83,8 @@ class WrapOptions:
     scope: ScopePolicy
     # The split rule: collapse, re-align and encoder stop for in-scope requests.
     deadlock_rules: bool = True
-    # The block-unit rule: vLLM's split asked in the cache's block where the sizes
-    # differ, and (where ``realign``) any request that starts mid-block re-aligned.
+    # The block-unit rule: the cache's block where the sizes differ, and (where
+    # ``realign_others``) any request that starts mid-block re-aligned.
     block_rule: bool = True
     # Re-align a chunk of the split rule's own requests that starts mid-block and would
     # cross the next boundary (tests switch it off to show what it prevents).
@@ -69,24 +96,15 @@ class WrapOptions:
     # block-unit rule's count tells a chunk it changed.
     absolute_end: bool = False
     # The release's split advances sub-block through a block wider than its longest chunk
-    # (0.27+); before, the block-unit rule schedules the configured answer there.
+    # (0.27+); before, a 0 of a block beyond every chunk never clears.
     advances_sub_block: bool = True
-    # Tell the watchdog of every final 0, in scope or not: wherever it runs and the class's
-    # schedule() budgets encoder inputs before the split.
-    hears_split_zeros: bool = True
 
 
-# The fast split wrapper's default for a trailing argument its caller left out: methods with
+# The fast wrapper's default for a trailing argument its caller left out: methods with
 # exactly the known trailing parameters get a wrapper with no *args/**kwargs forwarding
 # (that alone costs about 0.6 us a call).
 NOT_GIVEN: Any = object()
-
-
-def extra_computed_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    extra = sum(args[: len(EXTRA_COMPUTED_PARAMETERS)])
-    for name in EXTRA_COMPUTED_PARAMETERS[len(args) :]:
-        extra += kwargs.get(name, 0)
-    return extra
+NO_KWARGS: Kwargs = {}  # the known signature's keywords: none (only unpacked, never changed)
 
 
 def has_known_parameters(method: Callable[..., int]) -> bool:
@@ -100,78 +118,246 @@ def has_known_parameters(method: Callable[..., int]) -> bool:
     )
 
 
-Corrector = Callable[[Any, Any, int, int, int, SplitState, Args, Kwargs], int]
+def extra_computed_tokens(args: Args, kwargs: Kwargs) -> int:
+    extra = sum(args[: len(EXTRA_COMPUTED_PARAMETERS)])
+    for name in EXTRA_COMPUTED_PARAMETERS[len(args) :]:
+        extra += kwargs.get(name, 0)
+    return extra
 
 
-def make_corrector(original: Callable[..., int], options: WrapOptions) -> Corrector:
-    """The rare path: decide, ask the scope hook, count and log.
+# -- 3. per call -----------------------------------------------------------------------------
 
-    The split rule answers as upstream 0.28 orders the split: where the encoder-input check
-    cut the chunk (its wrapper says so, :mod:`vllm_mamba_fix.rules.encoder_cut`), vLLM's
-    split is asked for the chunk before the cut, and the answer ends at the cut; whatever
-    kept the input out (the request's own inputs, another request's, the encoder budget),
-    the cut is never floored to 0. A chunk the token budget cut stays stock's wait, as in
-    0.28, unless the block is beyond the longest chunk vLLM's split is ever asked for
-    (``beyond_chunk``: that 0 never clears on 0.15-0.26).
-    """
-    by_position = options.prefill_gate is PrefillGate.BEFORE_PREFILL_END
-    scope = options.scope
-    deadlock_rules = options.deadlock_rules
-    # Only the block-unit rule's re-align applies to a request the split rule leaves.
-    realign_others = options.block_rule and options.realign and options.realign_others
 
-    def correct(self: Any, request: Any, asked: int, answer: int, start: int, state: SplitState,
-                args: Args, kwargs: Kwargs) -> int:  # fmt: skip
-        ruled_out = not deadlock_rules or scope.rules_out(request)
-        if ruled_out and (not realign_others or not answer):
+def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable[..., int]:
+    """Wrap the split ``original``; vLLM's own exceptions propagate, the wrapper's never do."""
+    rule = SplitRule(original, options)
+    if has_known_parameters(original):
+        wrapper = _known_signature(original, options, rule)
+    else:
+        wrapper = _any_signature(original, options, rule)
+    return marked(wrapper, original, options)
+
+
+def _known_signature(
+    original: Callable[..., int], options: WrapOptions, rule: SplitRule
+) -> Callable[..., int]:
+    """The wrapper for the split's known parameters, the one vLLM calls on every release: it
+    forwards positionally and returns a whole chunk at once unless a rule can look at it."""
+    settled = rule.settled
+    look = rule.look
+
+    def split(
+        self: Any,
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        num_uncached_common_prefix_tokens: int = NOT_GIVEN,
+    ) -> int:
+        try:
+            state = self._vllm_mamba_fix_split  # facts.blocks.SPLIT_ATTR
+        except AttributeError:
+            state = settled(self)
+        if state.settled_for is not options:
+            state = settled(self)
+        local, external = num_new_local_computed_tokens, num_external_computed_tokens
+        uncached = num_uncached_common_prefix_tokens
+        if uncached is NOT_GIVEN:
+            answer = original(self, request, num_new_tokens, local, external)
+            args: Args = (local, external)
+        else:
+            answer = original(self, request, num_new_tokens, local, external, uncached)
+            args = (local, external, uncached)
+        if state.quiet or (answer == num_new_tokens and not state.whole_chunks_cross):
+            return answer
+        offset = local + external
+        return look(SplitCall(self, request, num_new_tokens, answer, offset, state, args))
+
+    return split
+
+
+def _any_signature(
+    original: Callable[..., int], options: WrapOptions, rule: SplitRule
+) -> Callable[..., int]:
+    """The wrapper for a split whose trailing parameters the plugin does not know."""
+    settled = rule.settled
+    look = rule.look
+
+    def split(self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> int:
+        state = getattr(self, SPLIT_ATTR, None)
+        if state is None or state.settled_for is not options:
+            state = settled(self)
+        answer = original(self, request, num_new_tokens, *args, **kwargs)
+        if state.quiet or (answer == num_new_tokens and not state.whole_chunks_cross):
+            return answer
+        try:
+            offset = extra_computed_tokens(args, kwargs)
+        except Exception as exc:
+            return rule.fall_back(exc, answer)
+        return look(SplitCall(self, request, num_new_tokens, answer, offset, state, args, kwargs))
+
+    return split
+
+
+class SplitCall(NamedTuple):
+    """One split call a rule may act on."""
+
+    scheduler: Any
+    request: Any
+    asked: int  # num_new_tokens: the chunk vLLM's split was asked for
+    answer: int  # what vLLM's split returned
+    offset: int  # the computed tokens the trailing arguments add to the request's
+    state: SplitState  # the scheduler's, settled at its first split
+    args: Args  # the trailing arguments, forwarded as vLLM gave them
+    kwargs: Kwargs = NO_KWARGS
+
+
+# -- 4. the rule -------------------------------------------------------------------------------
+
+
+class SplitRule:
+    """What one split wrapper knows besides vLLM's split: its options, and its one failure
+    report (then vLLM's answer stands)."""
+
+    def __init__(self, original: Callable[..., int], options: WrapOptions) -> None:
+        self.original = original
+        self.options = options
+        self.fall_back = failure_reporter("correction")
+        self._settle_failed = failure_reporter("settling the split of a new scheduler")
+        self.by_position = options.prefill_gate is PrefillGate.BEFORE_PREFILL_END
+        # Only the block-unit rule's re-align applies to a request the split rule leaves.
+        self.realign_others = options.block_rule and options.realign and options.realign_others
+        self._in_scope: Callable[[Any], bool] | None = None  # at the first need: loads hooks
+
+    def settled(self, scheduler: Any) -> SplitState:
+        """The state of a scheduler the wrapper meets unsettled (or settled by another)."""
+        try:
+            state, unit = settle(scheduler, self.options)
+            record.note_block_unit(type(scheduler), unit)
+            return state
+        except Exception as exc:
+            self._settle_failed(exc, None)
+            state = SplitState(0, quiet=True, settled_for=self.options)  # stand down, once
+            installation.set_on(scheduler, SPLIT_ATTR, state)
+            return state
+
+    def takes(self, request: Any) -> bool:
+        """Whether the split rule acts on ``request``: it is on, and the request is in scope."""
+        if not self.options.deadlock_rules:
+            return False
+        if self._in_scope is None:
+            self._in_scope = _scope_test(self.options.scope)
+        return self._in_scope(request)
+
+    def look(self, call: SplitCall) -> int:
+        """An answer a rule may act on: counted or corrected, else returned as it is."""
+        answer = call.answer
+        try:
+            start = call.request.num_computed_tokens + call.offset
+            state = call.state
+            if state.view is not None or state.starved:
+                answer = self._block_unit(call, start)
+            if answer == call.asked:
+                if not crosses_next_boundary(start, answer, state.size):
+                    return answer
+            elif not answer and (call.asked <= 0 or not self.takes(call.request)):
+                return answer  # a 0 out of the split rule's reach: vLLM's (re-aligning never)
+            if can_need_correction(answer, call.asked, start, state.size):
+                answer = self.correct(call._replace(answer=answer), start)
+            return answer
+        except Exception as exc:
+            return self.fall_back(exc, answer)
+
+    def _block_unit(self, call: SplitCall, start: int) -> int:
+        """The block-unit rule on a call that reached the slow path: its stop where starved,
+        and the count of a chunk the configured block would have ended elsewhere."""
+        request, state, answer = call.request, call.state, call.answer
+        if not self._in_prefill(request, start):
+            return answer
+        if state.starved:
+            chunk = block_unit.stop_at_cache_boundary(start, answer, state.size)
+            changed = chunk != answer
+        else:
+            chunk = answer
+            end = start + call.asked
+            # A chunk that reaches the end of prefill, which no release floors.
+            final = not in_prefill_by_position(end, request.num_prompt_tokens, request.num_tokens)
+            absolute = self.options.absolute_end
+            changed = configured_floor_differs(
+                start, call.asked, chunk, state.configured, absolute, final
+            )
+        if changed and chunk > 0:
+            counters.record(Action.BLOCK_ALIGNED, request.request_id, start, chunk, state.size)
+        return chunk
+
+    def correct(self, call: SplitCall, start: int) -> int:
+        """The rare path: 0.28's answer where the encoder check cut the chunk, the re-align.
+
+        Where the encoder-input check cut the chunk (its wrapper noted it,
+        :mod:`vllm_mamba_fix.rules.encoder_cut`), vLLM's split is asked for the chunk
+        before the cut, and the answer ends at the cut; whatever kept the input out, the cut
+        is never floored to 0. A chunk the token budget cut stays stock's wait, as in 0.28,
+        unless the block is beyond the longest chunk vLLM's split is ever asked for
+        (``beyond_chunk``: that 0 never clears on 0.15-0.26).
+        """
+        request, asked, answer, state = call.request, call.asked, call.answer, call.state
+        ruled_out = not self.takes(request)
+        if ruled_out and (not self.realign_others or not answer):
             return answer  # re-aligning never touches a 0
-        if not _in_prefill(by_position, request, start):
+        if not self._in_prefill(request, start):
             return answer
         uncut = None
         if not ruled_out and answer < asked:
-            uncut = _uncut_answer(original, self, request, start, asked, args, kwargs)
+            uncut = self._uncut_answer(call, start)
             # An encoder cut whose uncut chunk vLLM also floors to 0: 0.28 waits there too
             # (the budget is below a block). No encoder cut: a token-budget cut, stock's
             # wait as in 0.28, where only the re-align may still apply.
-            wait = not uncut if uncut is not None else not answer or not realign_others
+            wait = not uncut if uncut is not None else not answer or not self.realign_others
             if not state.beyond_chunk:
                 if wait:
                     return answer
                 ruled_out = ruled_out or uncut is None
         decision = decide(answer, asked, start, state.size, True, uncut)
-        return _apply(options, realign_others, request, answer, start, state.size, decision,
-                      ruled_out)  # fmt: skip
+        return self._apply(call, start, decision, ruled_out)
 
-    return correct
+    def _apply(self, call: SplitCall, start: int, decision: Decision, ruled_out: bool) -> int:
+        """The decision's chunk where its rule acts on this request, counted; else vLLM's."""
+        action = decision.action
+        # No boundary is exempt, not even past vLLM's EAGLE-backed-off last_cache_position:
+        # the block a mid-block start leaves behind holds the state at ``start`` and is
+        # cached as the state at the boundary once a chunk crosses it (vLLM #51113, 0.27+).
+        if action is Action.UNCHANGED or (action is Action.REALIGNED and not self.options.realign):
+            return call.answer
+        if ruled_out and not (action is Action.REALIGNED and self.realign_others):
+            return call.answer
+        rid, size = call.request.request_id, call.state.size
+        counters.record(action, rid, start, decision.num_tokens, size)
+        return decision.num_tokens
+
+    def _in_prefill(self, request: Any, start: int) -> bool:
+        if self.by_position:
+            return in_prefill_by_position(start, request.num_prompt_tokens, request.num_tokens)
+        return in_prefill_by_output_tokens(request.num_output_tokens)
+
+    def _uncut_answer(self, call: SplitCall, start: int) -> int | None:
+        """Where the encoder check cut exactly this chunk: vLLM's split of the chunk the check
+        was asked for (0.28's order: its look-ahead shift is in the cut already). Else None."""
+        note = encoder_cut.last  # (scheduler id, request id, position, asked, given)
+        if note is None:
+            return None
+        scheduler, request, asked = call.scheduler, call.request, call.asked
+        if note[:3] != (id(scheduler), id(request), start) or note[4] != asked:
+            return None
+        if note[3] <= asked:
+            return None
+        return self.original(scheduler, request, note[3], *call.args, **call.kwargs)
 
 
-def _apply(options: WrapOptions, realign_others: bool, request: Any, answer: int, start: int,
-           size: int, decision: Decision, ruled_out: bool) -> int:  # fmt: skip
-    """The decision's chunk where its rule acts on this request, counted; else vLLM's."""
-    action = decision.action
-    # No boundary is exempt, not even past vLLM's EAGLE-backed-off last_cache_position:
-    # the block a mid-block start leaves behind holds the state at ``start`` and is
-    # cached as the state at the boundary once a chunk crosses it (vLLM #51113, 0.27+).
-    if action is Action.UNCHANGED or (action is Action.REALIGNED and not options.realign):
-        return answer
-    acts = not ruled_out and options.scope.in_scope(request)
-    if not acts and not (action is Action.REALIGNED and realign_others):
-        return answer
-    counters.record(action, request.request_id, start, decision.num_tokens, size)
-    return decision.num_tokens
-
-
-def _in_prefill(by_position: bool, request: Any, start: int) -> bool:
-    if by_position:
-        return in_prefill_by_position(start, request.num_prompt_tokens, request.num_tokens)
-    return in_prefill_by_output_tokens(request.num_output_tokens)
-
-
-def _uncut_answer(split: Callable[..., int], scheduler: Any, request: Any, start: int,
-                  asked: int, args: Args, kwargs: Kwargs) -> int | None:  # fmt: skip
-    """Where the encoder check cut exactly this chunk: vLLM's split of the chunk the check was
-    asked for (0.28's order: its look-ahead shift is in the cut already). Else None."""
-    cut = encoder_cut.uncut_tokens(scheduler, request, start, asked)
-    if cut is None:
-        return None
-    return split(scheduler, request, cut, *args, **kwargs)
+def _scope_test(scope: Any) -> Callable[[Any], bool]:
+    """``scope.in_scope(request)``, answered here where only the built-in rule runs."""
+    builtin = builtin_scope(scope)
+    if builtin is Scope.MULTIMODAL:
+        return lambda request: bool(request.has_encoder_inputs)
+    if builtin is Scope.ALL:
+        return lambda request: True
+    return scope.in_scope

