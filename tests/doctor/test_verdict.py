@@ -124,7 +124,9 @@ def test_problems_and_status_from_typed_inputs() -> None:
 
     family, by_code = _policy_inputs("0.27.1")
     needed = verdict.needed_rules(family, Mode.OFF, by_code, False)
-    chosen = verdict.policy(family, "0.27.1", needed, False, "disabled", by_code, "")
+    chosen = verdict.policy(
+        verdict.PolicyInputs(family, "0.27.1", needed, False, "disabled", by_code, "")
+    )
     assert chosen.verdict == "needed-will-not-patch"
     delivery = verdict.Delivery(Mode.OFF, "0", "no entry point", False, "other")
     rule_problems = {Rule.SPLIT: "split would not apply: x"}
@@ -139,20 +141,24 @@ def test_problems_and_status_from_typed_inputs() -> None:
     assert verdict.status(chosen, [], found) == "not-protected"
     assert verdict.status(chosen, ["bad"], found) == "invalid-input"
     ok = verdict.Delivery(Mode.AUTO, None, None, True, None)
-    will = verdict.policy(family, "0.27.1", needed, True, "", by_code, "")
+    will = verdict.policy(verdict.PolicyInputs(family, "0.27.1", needed, True, "", by_code, ""))
     assert verdict.problems(will, ok, {}, ()) == []
     assert verdict.status(will, [], []) == "protected"
     assert verdict.status(None, [], []) == "unknown"
     fixed, fixed_plan = _policy_inputs("0.33.0")
     none = verdict.needed_rules(fixed, Mode.AUTO, fixed_plan, False)
-    calm = verdict.policy(fixed, "0.33.0", none, True, "", fixed_plan, "")
+    calm = verdict.policy(verdict.PolicyInputs(fixed, "0.33.0", none, True, "", fixed_plan, ""))
     assert (calm.verdict, verdict.status(calm, [], [])) == ("not-needed", "not-needed")
     # A per-scheduler rule that installs: protected (exit 0), never "not needed".
     block = frozenset({Rule.BLOCK_UNIT})
-    runs = verdict.policy(fixed, "0.33.0", none, True, "", fixed_plan, "", None, block)
+    runs = verdict.policy(
+        verdict.PolicyInputs(fixed, "0.33.0", none, True, "", fixed_plan, "", None, block)
+    )
     assert (runs.verdict, verdict.status(runs, [], [])) == ("installed-per-scheduler", "protected")
     assert "installed: block-unit [version: " in runs.reason
     assert verdict.status(runs, [], ["x"]) == "not-protected"
     # ... unless the plugin will not act at all (VLLM_MAMBA_FIX=0).
-    off = verdict.policy(fixed, "0.33.0", none, False, "", fixed_plan, "", None, block)
+    off = verdict.policy(
+        verdict.PolicyInputs(fixed, "0.33.0", none, False, "", fixed_plan, "", None, block)
+    )
     assert off.verdict == "not-needed"

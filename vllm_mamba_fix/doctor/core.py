@@ -345,11 +345,11 @@ def run(
     installed_per_scheduler = frozenset(
         r for r in verdict.PER_SCHEDULER if r in state.plans.installed and delivered
     )
-    chosen = verdict.policy(
+    chosen = verdict.policy(verdict.PolicyInputs(
         family, version, needs.needed, state.will_patch, state.checked.reason,
         state.plans.by_code, needs.spared, needs.needed_by, installed_per_scheduler,
         needs.foreseen,
-    )  # fmt: skip
+    ))  # fmt: skip
     report.data["policy"] = chosen.to_json()
     # The human report, in reading order.
     _headline_lines(state, chosen)

@@ -85,26 +85,34 @@ class Policy:
         }
 
 
-def policy(
-    family: Family,
-    version: str,
-    needed: frozenset[Rule],
-    should_patch: bool,
-    preflight_reason: str,
-    by_code: Plan,
-    spared: str,
-    needed_by: Mapping[Rule, Sequence[str]] | None = None,
-    installed_per_scheduler: frozenset[Rule] = frozenset(),
-    foreseen: Mapping[Rule, str] | None = None,
-) -> Policy:
-    """What the release needs and whether the plugin will act.
+@dataclasses.dataclass(frozen=True)
+class PolicyInputs:
+    """What :func:`policy` decides from: the release, its needs and the dry run's plans."""
 
-    ``spared`` names a rule let off; ``needed_by`` the classes that need a rule by
-    their own ``schedule()`` where the base class does not. ``installed_per_scheduler``:
-    per-scheduler rules the dry run installed (they engage at engine start where the sizes
-    differ, so the plugin acts even where nothing is known to be needed); ``foreseen``:
-    per-scheduler rules the set-up shows will engage, with why (a drafter's own KV group).
-    """
+    family: Family
+    version: str
+    needed: frozenset[Rule]
+    should_patch: bool
+    preflight_reason: str
+    by_code: Plan
+    spared: str  # a rule let off, named
+    # The classes that need a rule by their own schedule() where the base class does not.
+    needed_by: Mapping[Rule, Sequence[str]] | None = None
+    # Per-scheduler rules the dry run installed: they engage at engine start where the sizes
+    # differ, so the plugin acts even where nothing is known to be needed.
+    installed_per_scheduler: frozenset[Rule] = frozenset()
+    # Per-scheduler rules the set-up shows will engage, with why (a drafter's own KV group).
+    foreseen: Mapping[Rule, str] | None = None
+
+
+def policy(inputs: PolicyInputs) -> Policy:
+    """What the release needs and whether the plugin will act."""
+    family, version, needed, should_patch = (
+        inputs.family, inputs.version, inputs.needed, inputs.should_patch,
+    )  # fmt: skip
+    preflight_reason, by_code, spared = inputs.preflight_reason, inputs.by_code, inputs.spared
+    needed_by, foreseen = inputs.needed_by, inputs.foreseen
+    installed_per_scheduler = inputs.installed_per_scheduler
     reason = preflight_reason
     if needed:
         verdict = "needed-will-patch" if should_patch else "needed-will-not-patch"

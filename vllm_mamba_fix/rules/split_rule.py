@@ -143,8 +143,7 @@ def _known_signature(
 ) -> Callable[..., int]:
     """The wrapper for the split's known parameters, the one vLLM calls on every release: it
     forwards positionally and returns a whole chunk at once unless a rule can look at it."""
-    settled = rule.settled
-    look = rule.look
+    settled, look, fall_back = rule.settled, rule.look, rule.fall_back
 
     def split(
         self: Any,
@@ -168,9 +167,18 @@ def _known_signature(
         else:
             answer = original(self, request, num_new_tokens, local, external, uncached)
             args = (local, external, uncached)
-        if state.quiet or (answer == num_new_tokens and not state.whole_chunks_cross):
+        if state.quiet:
             return answer
         offset = local + external
+        if answer == num_new_tokens:
+            if not state.whole_chunks_cross:
+                return answer
+            try:  # a whole chunk that starts on a boundary or stays in its block
+                into_block = (request.num_computed_tokens + offset) % state.size
+                if not into_block or into_block + answer <= state.size:
+                    return answer
+            except Exception as exc:
+                return fall_back(exc, answer)
         return look(SplitCall(self, request, num_new_tokens, answer, offset, state, args))
 
     return split
@@ -227,7 +235,9 @@ class SplitRule:
         self.by_position = options.prefill_gate is PrefillGate.BEFORE_PREFILL_END
         # Only the block-unit rule's re-align applies to a request the split rule leaves.
         self.realign_others = options.block_rule and options.realign and options.realign_others
-        self._in_scope: Callable[[Any], bool] | None = None  # at the first need: loads hooks
+        # The split rule's scope, answered here for the built-in scopes (the patch has loaded
+        # the scope hooks already); None: the split rule is off.
+        self._in_scope = _scope_test(options.scope) if options.deadlock_rules else None
 
     def settled(self, scheduler: Any) -> SplitState:
         """The state of a scheduler the wrapper meets unsettled (or settled by another)."""
@@ -243,11 +253,7 @@ class SplitRule:
 
     def takes(self, request: Any) -> bool:
         """Whether the split rule acts on ``request``: it is on, and the request is in scope."""
-        if not self.options.deadlock_rules:
-            return False
-        if self._in_scope is None:
-            self._in_scope = _scope_test(self.options.scope)
-        return self._in_scope(request)
+        return self._in_scope is not None and self._in_scope(request)
 
     def look(self, call: SplitCall) -> int:
         """An answer a rule may act on: counted or corrected, else returned as it is."""
@@ -355,7 +361,10 @@ class SplitRule:
 
 def _scope_test(scope: Any) -> Callable[[Any], bool]:
     """``scope.in_scope(request)``, answered here where only the built-in rule runs."""
-    builtin = builtin_scope(scope)
+    try:
+        builtin = builtin_scope(scope)
+    except Exception:  # a scope of another kind: it answers for itself, per request
+        builtin = None
     if builtin is Scope.MULTIMODAL:
         return lambda request: bool(request.has_encoder_inputs)
     if builtin is Scope.ALL:
