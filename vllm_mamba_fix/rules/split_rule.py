@@ -144,6 +144,7 @@ def _known_signature(
     """The wrapper for the split's known parameters, the one vLLM calls on every release: it
     forwards positionally and returns a whole chunk at once unless a rule can look at it."""
     settled, look, fall_back = rule.settled, rule.look, rule.fall_back
+    takes = rule.takes_request  # None: the split rule is off (no 0 of its own to look at)
 
     def split(
         self: Any,
@@ -163,22 +164,24 @@ def _known_signature(
         uncached = num_uncached_common_prefix_tokens
         if uncached is NOT_GIVEN:
             answer = original(self, request, num_new_tokens, local, external)
-            args: Args = (local, external)
         else:
             answer = original(self, request, num_new_tokens, local, external, uncached)
-            args = (local, external, uncached)
         if state.quiet:
             return answer
-        offset = local + external
-        if answer == num_new_tokens:
-            if not state.whole_chunks_cross:
-                return answer
-            try:  # a whole chunk that starts on a boundary or stays in its block
-                into_block = (request.num_computed_tokens + offset) % state.size
+        try:
+            if answer == num_new_tokens:
+                if not state.whole_chunks_cross:
+                    return answer
+                # A whole chunk that starts on a boundary or stays in its block.
+                into_block = (request.num_computed_tokens + local + external) % state.size
                 if not into_block or into_block + answer <= state.size:
                     return answer
-            except Exception as exc:
-                return fall_back(exc, answer)
+            elif not answer and (takes is None or not takes(request)):
+                return answer  # a 0 out of the split rule's reach (re-aligning never acts)
+        except Exception as exc:
+            return fall_back(exc, answer)
+        args = (local, external) if uncached is NOT_GIVEN else (local, external, uncached)
+        offset = local + external
         return look(SplitCall(self, request, num_new_tokens, answer, offset, state, args))
 
     return split
@@ -237,7 +240,7 @@ class SplitRule:
         self.realign_others = options.block_rule and options.realign and options.realign_others
         # The split rule's scope, answered here for the built-in scopes (the patch has loaded
         # the scope hooks already); None: the split rule is off.
-        self._in_scope = _scope_test(options.scope) if options.deadlock_rules else None
+        self.takes_request = _scope_test(options.scope) if options.deadlock_rules else None
 
     def settled(self, scheduler: Any) -> SplitState:
         """The state of a scheduler the wrapper meets unsettled (or settled by another)."""
@@ -253,7 +256,7 @@ class SplitRule:
 
     def takes(self, request: Any) -> bool:
         """Whether the split rule acts on ``request``: it is on, and the request is in scope."""
-        return self._in_scope is not None and self._in_scope(request)
+        return self.takes_request is not None and self.takes_request(request)
 
     def look(self, call: SplitCall) -> int:
         """An answer a rule may act on: counted or corrected, else returned as it is."""
