@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
+from vllm_mamba_fix.decide.decision import Action, decide
 from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.facts.blocks import SplitState
 from vllm_mamba_fix.facts.config import Scope
 from vllm_mamba_fix.facts.versions import PrefillGate
 from vllm_mamba_fix.observe import counters
 from vllm_mamba_fix.rules import encoder_cut
-from vllm_mamba_fix.rules.split_rule import SplitCall, SplitRule, WrapOptions
+from vllm_mamba_fix.rules.split_rule import SplitCall, SplitRule, WrapOptions, stays_in_block
 
 BLOCK = 256
 PROMPT = 2000
@@ -138,3 +139,32 @@ def test_a_decode_is_never_corrected() -> None:
     req.cut_from = 10
     assert correct(req, 1) == 1
     assert counters.stats() == dict.fromkeys(counters.KEYS, 0)
+
+
+def test_the_whole_chunk_fast_path_is_exactly_where_decide_changes_nothing() -> None:
+    """The wrapper returns a whole chunk at once where ``stays_in_block``: exhaustively over
+    small numbers, exactly where ``decide()`` leaves a whole chunk unchanged, whatever the
+    encoder cut's uncut answer."""
+    for size in range(1, 9):
+        for start in range(3 * size):
+            for asked in range(1, 3 * size + 1):
+                fast = stays_in_block(start, asked, size)
+                for uncut in (None, *range(3 * size + 2)):
+                    action = decide(asked, asked, start, size, True, uncut).action
+                    assert fast == (action is Action.UNCHANGED), (size, start, asked, uncut)
+
+
+def test_a_0_out_of_scope_is_vllms_whatever_the_rules() -> None:
+    """The wrapper returns a 0 of a request out of the split rule's scope at once: the
+    corrector returns it too, encoder cut or not, block beyond the longest chunk or not."""
+    zeros = 0
+    for at in range(0, 600, 37):
+        for asked in range(1, 600, 23):
+            req = request(at=at, images=False)
+            if vllm_split(None, req, asked):
+                continue
+            zeros += 1
+            req.cut_from = asked + 300
+            for beyond in (False, True):
+                assert correct(req, asked, beyond=beyond) == 0, (at, asked, beyond)
+    assert zeros > 10

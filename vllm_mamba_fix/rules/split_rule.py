@@ -172,9 +172,8 @@ def _known_signature(
             if answer == num_new_tokens:
                 if not state.whole_chunks_cross:
                     return answer
-                # A whole chunk that starts on a boundary or stays in its block.
-                into_block = (request.num_computed_tokens + local + external) % state.size
-                if not into_block or into_block + answer <= state.size:
+                start = request.num_computed_tokens + local + external
+                if stays_in_block(start, answer, state.size):
                     return answer
             elif not answer and (takes is None or not takes(request)):
                 return answer  # a 0 out of the split rule's reach (re-aligning never acts)
@@ -208,6 +207,14 @@ def _any_signature(
         return look(SplitCall(self, request, num_new_tokens, answer, offset, state, args, kwargs))
 
     return split
+
+
+def stays_in_block(start: int, tokens: int, size: int) -> bool:
+    """Whether a chunk of ``tokens`` from ``start`` starts on a boundary or ends in its block:
+    a whole chunk :func:`~vllm_mamba_fix.decide.decision.decide` leaves as it is (tested
+    against it exhaustively), so the wrapper returns it at once."""
+    into_block = start % size
+    return not into_block or into_block + tokens <= size
 
 
 class SplitCall(NamedTuple):
