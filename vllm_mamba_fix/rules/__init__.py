@@ -7,9 +7,10 @@
   does per call: ``split_rule.py``, ``block_unit.py``, ``speculative_stall.py``,
   ``stall_watch.py``, ``stall_end.py`` (the last carries itself: the ``update_from_output``
   wrapper);
-- the carriers: ``wrappers.py`` (the split method's wrapper, for the split and block-unit
-  rules, and the ``__init__`` and ``_free_request`` wrappers) and ``encoder_wrapper.py`` (the
-  encoder-input check's, for the speculative-stall rule and the watchdog's ear);
+- the carriers: ``split_rule.py`` is the split method's wrapper too (for the split and
+  block-unit rules: a split call reads top to bottom in that one module); ``wrappers.py``
+  holds the ``__init__`` and ``_free_request`` wrappers and ``encoder_wrapper.py`` the
+  encoder-input check's (the speculative-stall rule, the split rule's ear);
 - shared: ``split_settle.py`` (a scheduler's split state, once), ``encoder_cut.py`` (which
   chunk the encoder check cut), ``encoder_facts.py`` (what a request's own inputs need),
   ``zero_streaks.py`` (the stores of 0s), ``end_order.py`` (the watchdog's order to the end).
@@ -19,7 +20,7 @@ A new rule goes here: its module (with the header), its row in ``table.py``, its
 "Adding a rule").
 
 May import: ``observe``, ``decide``, ``facts`` and the bottom modules. Never ``install`` or
-``doctor``. The wrappers of the three rule-carrying methods (``wrappers``,
+``doctor``. The wrappers of the three rule-carrying methods (``split_rule``,
 ``encoder_wrapper``, ``stall_end``) import none of one another, and no module of this folder
 passes anything to another through a scheduler's attributes.
 """
