@@ -41,14 +41,14 @@ def run_task(task: str, profile: str) -> Any:
             return {**measures, "engaged": hotpath.guarded(engaged.run, profile)}
         finally:
             sched_harness.unload_plugin()
-    if task == "split_calls":  # another release's split (run.py puts its overlay first)
+    if task == "split_calls":  # another release's split and step (run.py puts its overlay first)
         from benchmarks import engaged
         from tools import sched_harness
 
         sched_harness.unload_plugin()
         sched_harness.load_plugins()
         try:
-            return engaged.run_calls(profile)
+            return engaged.run(profile)
         finally:
             sched_harness.unload_plugin()
     raise ValueError(f"unknown task {task!r}")
