@@ -12,6 +12,7 @@ tests/e2e/test_cache_reuse.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -46,8 +47,8 @@ def split(self: Any, request: Any, num_new_tokens: int, *_: Any) -> int:
     return max(0, end // block * block - start)
 
 
-def scheduler_class(method: Callable[..., int] = split) -> type:
-    return type("Scheduler", (), {"_mamba_block_aligned_split": make_wrapper(method, OPTIONS)})
+def scheduler_class(method: Callable[..., int] = split, options: WrapOptions = OPTIONS) -> type:
+    return type("Scheduler", (), {"_mamba_block_aligned_split": make_wrapper(method, options)})
 
 
 def build(cls: type, budget: int = 8192) -> Any:
@@ -112,7 +113,7 @@ def test_vllms_exception_propagates() -> None:
 def test_starved_the_configured_answer_stops_at_the_caches_boundary() -> None:
     """A cache block longer than any chunk: asked in it, 0.15-0.26 would floor to 0 forever.
     The configured answer, stopped at the next cache boundary, is what stock schedules."""
-    cls = scheduler_class()
+    cls = scheduler_class(options=dataclasses.replace(OPTIONS, advances_sub_block=False))
     scheduler = build(cls, budget=300)
     setattr(scheduler, BLOCK_ATTR, 2048)
     ask = scheduler._mamba_block_aligned_split
@@ -123,6 +124,16 @@ def test_starved_the_configured_answer_stops_at_the_caches_boundary() -> None:
     assert counters.stats()["block_rule_chunks"] == 1
     assert scheduler.seen == [CONFIGURED, CONFIGURED]
     assert not isinstance(scheduler.cache_config, CacheConfigView)
+
+
+def test_a_block_no_chunk_reaches_is_the_views_where_the_split_advances_sub_block() -> None:
+    """0.27+: vLLM's split advances sub-block through a block wider than its longest chunk, so
+    pinned stock moves; the view gives its chunks there too."""
+    scheduler = build(scheduler_class(), budget=300)
+    setattr(scheduler, BLOCK_ATTR, 2048)
+    scheduler._mamba_block_aligned_split(request(0, prompt=5000), 300)
+    assert scheduler.seen == [2048]
+    assert isinstance(scheduler.cache_config, CacheConfigView)
 
 
 def test_the_arguments_reach_vllm_untouched() -> None:
