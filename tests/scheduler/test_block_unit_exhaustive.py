@@ -41,6 +41,7 @@ from tools import sched_harness as harness
 from tools.sched_harness import HarnessConfig, RequestSpec
 from vllm_mamba_fix.facts.targets import SPLIT_METHOD
 from vllm_mamba_fix.facts.versions import Family, PrefillGate, Verdict
+from vllm_mamba_fix.rules.zero_streaks import forget_request
 
 pytestmark = pytest.mark.matrix
 
@@ -236,22 +237,39 @@ def sweep(family: Family, pair: Pair, plugin_split: Callable[..., int],
     for prompt in prompt_lengths(cache):
         for variant in variants(cache, configured, knobs):
             request = make_request(pair.built, prompt, variant, cache)
-            extra = () if variant.uncached is None else (0, variant.uncached)
-            for computed, local, new in questions(request, cache):
-                request.num_computed_tokens = computed
-                got = plugin_split(pair.plugin, request, new, local, *extra)
-                pinned = stock(pair.stock, request, new, local, *extra)
-                tally.cells += 1
-                if not tally.configured_differs and pinned != stock(
-                    pair.configured_stock, request, new, local, *extra
-                ):
-                    tally.configured_differs = tally.cells
-                if got != pinned:
-                    want = expected_chunk(family, pinned, request, computed + local, cache)
-                    tally.realigned += want != pinned
-                    if got != want:
-                        question = Question(pair, prompt, variant, computed, local, new)
-                        tally.mismatch(question.describe(got, pinned, want))
+            try:
+                ask(family, pair, Asked(prompt, variant, request), plugin_split, stock, tally)
+            finally:  # as vLLM's freeing of the request would: no 0 streak outlives it
+                forget_request(request.request_id)
+
+
+class Asked(NamedTuple):
+    prompt: int
+    variant: Variant
+    request: Any
+
+
+def ask(family: Family, pair: Pair, asked: Asked, plugin_split: Callable[..., int],
+        stock: Callable[..., int], tally: Tally) -> None:  # fmt: skip
+    """Every question of :func:`questions` to both schedulers, about one request."""
+    prompt, variant, request = asked
+    cache = pair.cache
+    extra = () if variant.uncached is None else (0, variant.uncached)
+    for computed, local, new in questions(request, cache):
+        request.num_computed_tokens = computed
+        got = plugin_split(pair.plugin, request, new, local, *extra)
+        pinned = stock(pair.stock, request, new, local, *extra)
+        tally.cells += 1
+        if not tally.configured_differs and pinned != stock(
+            pair.configured_stock, request, new, local, *extra
+        ):
+            tally.configured_differs = tally.cells
+        if got != pinned:
+            want = expected_chunk(family, pinned, request, computed + local, cache)
+            tally.realigned += want != pinned
+            if got != want:
+                question = Question(pair, prompt, variant, computed, local, new)
+                tally.mismatch(question.describe(got, pinned, want))
 
 
 def build_pairs(load_plugin: Callable[..., bool]) -> list[Pair]:
