@@ -22,8 +22,9 @@ stops a prefill chunk of (B) that crosses the next cache boundary at that bounda
 block pinned as well; such cells are counted in the failure message.
 
 Where the cache's block exceeds the longest chunk vLLM's split is asked for (a budget or
-threshold between K and C) the rule does not give the pinned answer yet: that test is a strict
-xfail (:data:`STARVED`). A short image workload checks the same at scheduling level.
+threshold between K and C, :data:`STARVED`), 0.27+ give the pinned answer too; before 0.27
+pinned stock floors to 0 forever there, and the oracle is stock's configured answer stopped at
+the next cache boundary. A short image workload checks the same at scheduling level.
 
 ``VLLM_MAMBA_FIX_BLOCK_RULE=0 pytest tests/scheduler/test_block_unit_exhaustive.py`` must fail.
 """
@@ -188,6 +189,9 @@ class Pair(NamedTuple):
     stock: Any  # (B)'s scheduler
     configured_stock: Any  # stock with K, built before the plugin loads: the bug
     built: Any  # (A)'s harness.Built, for its block hasher
+    # The most tokens vLLM's split is asked for (budget, threshold), where a question past it
+    # is one vLLM never asks; None: every question of the grid.
+    longest: int | None = None
 
 
 def make_request(built: Any, prompt: int, variant: Variant, cache: int) -> Any:
@@ -256,6 +260,8 @@ def ask(family: Family, pair: Pair, asked: Asked, plugin_split: Callable[..., in
     cache = pair.cache
     extra = () if variant.uncached is None else (0, variant.uncached)
     for computed, local, new in questions(request, cache):
+        if pair.longest is not None and new > pair.longest:
+            continue
         request.num_computed_tokens = computed
         got = plugin_split(pair.plugin, request, new, local, *extra)
         pinned = stock(pair.stock, request, new, local, *extra)
@@ -290,7 +296,8 @@ def build_pairs(load_plugin: Callable[..., bool]) -> list[Pair]:
         for setting in settings(cache):
             built = harness.build_scheduler(harness_config(cache, setting, configured))
             assert built.block_size == cache  # what the Mamba cache stores
-            assert built.scheduler.cache_config.block_size == configured  # what vLLM floors to
+            # What vLLM floors to (the scheduler itself may hold the rule's view already).
+            assert built.vllm_config.cache_config.block_size == configured
             with_k = configured_stock[cache, configured, setting]
             pair = Pair(cache, configured, setting, built.scheduler, stock[cache, setting],
                         with_k, built)  # fmt: skip
@@ -318,41 +325,42 @@ def test_every_split_answer_is_stocks_with_the_block_pinned(
 
 
 # Where the cache's block is longer than any chunk vLLM's split is asked for (budget or
-# long_prefill_token_threshold between K and C), the rule schedules vLLM's configured answer
-# stopped at the next cache boundary (rules/split_settle.py, ``starved``): before 0.27 the
-# split pinned to C floors every chunk but a prompt's last to 0 there (a stall), and 0.27+
-# advances sub-block where the configured answer floors to K. Not yet issue 44's "exactly".
-# The budget, then the threshold (0.15-0.16 assert it is at least the block at config time),
-# between K and C.
+# long_prefill_token_threshold between K and C): 0.27+ advance sub-block through it, and the
+# rule's view gives the pinned split's answers. Before 0.27 the split pinned to C floors every
+# chunk but a prompt's last to 0 there (a stall): the rule schedules vLLM's configured answer
+# stopped at the next cache boundary instead (rules/block_unit.py, ``starved``), the oracle
+# there. The budget, then the threshold (0.15-0.16 assert it is at least the block at config
+# time), between K and C.
 STARVED = ((16, 8, Setting(12, 0, False)), (32, 16, Setting(64, 24, True)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 44 item 3 gap: with the cache's block above the longest chunk, the rule "
-    "gives the configured answer stopped at the cache boundary, not the pinned split's",
-)
-def test_starved_split_answers_are_stocks_with_the_block_pinned(
+def test_starved_split_answers_are_the_pinned_or_the_stopped_configured(
     release: Family, load_plugin: Callable[..., bool]
 ) -> None:
     stock = stock_split()
     knobs = Knobs.of(stock)
+    # 0.27+: stock with the block pinned to C; 0.15-0.26: stock with K, which expected_chunk
+    # stops at the next cache boundary (their split keeps a mid-block start misaligned).
+    pinned_oracle = release.advances_sub_block
     built = {
-        (cache, setting): harness.build_scheduler(harness_config(cache, setting, None))
-        for cache, _, setting in STARVED
+        (cache, setting): harness.build_scheduler(
+            harness_config(cache, setting, None if pinned_oracle else configured)
+        )
+        for cache, configured, setting in STARVED
     }
     load_plugin()
     tally = Tally(configured_differs=1)
     for cache, configured, setting in STARVED:
         plugin = harness.build_scheduler(harness_config(cache, setting, configured))
-        pinned = built[cache, setting].scheduler
-        pair = Pair(cache, configured, setting, plugin.scheduler, pinned, pinned, plugin)
+        oracle = built[cache, setting].scheduler
+        longest = min(x for x in (setting.budget, setting.threshold) if x)
+        pair = Pair(cache, configured, setting, plugin.scheduler, oracle, oracle, plugin, longest)
         sweep(release, pair, getattr(type(plugin.scheduler), SPLIT_METHOD), stock, tally,
               knobs)  # fmt: skip
     assert tally.mismatches == 0, (
-        f"{tally.mismatches} of {tally.cells} starved split answers differ from vLLM's with the "
-        f"block pinned; first: {tally.first}"
+        f"{tally.mismatches} of {tally.cells} starved split answers differ from the oracle "
+        f"({'pinned' if pinned_oracle else 'configured, stopped at the cache boundary'}); "
+        f"first: {tally.first}"
     )
 
 
