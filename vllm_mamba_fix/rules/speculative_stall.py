@@ -27,31 +27,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_mamba_fix.decide.decision import Action, speculative_stall_release, unshifted_cut_needed
-from vllm_mamba_fix.decide.stalls import REPEATED, Streak
+from vllm_mamba_fix.decide.decision import Action
 from vllm_mamba_fix.observe import counters
 
+# Whether a 0 is the speculative stall: read from the scheduler in encoder_facts.py, which the
+# watchdog asks too when it names a stall's cause.
+from vllm_mamba_fix.rules.encoder_facts import stalled_inputs as stalled_inputs
+
 EncoderResult = tuple[Any, ...]
-
-
-def _placeholder(request: Any, input_id: int) -> tuple[int, int]:
-    position = request.mm_features[input_id].mm_position
-    return position.offset, position.length
-
-
-def stalled_inputs(
-    scheduler: Any, request: Any, computed: int, shift: int, streak: Streak
-) -> tuple[bool, tuple[int, ...]]:
-    """Whether this 0 is the speculative stall, and the held inputs to free to end it."""
-    manager = scheduler.encoder_cache_manager
-    held = {i: _placeholder(request, i) for i in sorted(manager.get_cached_input_ids(request))}
-    release = speculative_stall_release(computed, shift, held)
-    if release.stalled:
-        return True, tuple(release.to_free)
-    if streak.steps < REPEATED:  # the unshifted case is looked for once the 0 repeats
-        return False, ()
-    placed = {i: _placeholder(request, i) for i in range(len(request.mm_features))}
-    return unshifted_cut_needed(computed, shift, placed, held), tuple(release.to_free)
 
 
 def _free_encoder_input(scheduler: Any, request: Any, input_id: int) -> None:

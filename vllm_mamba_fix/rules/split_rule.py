@@ -71,9 +71,6 @@ class WrapOptions:
     # The release's split advances sub-block through a block wider than its longest chunk
     # (0.27+); before, the block-unit rule schedules the configured answer there.
     advances_sub_block: bool = True
-    # Tell the watchdog of every final 0, in scope or not: wherever it runs and the class's
-    # schedule() budgets encoder inputs before the split.
-    hears_split_zeros: bool = True
 
 
 # The fast split wrapper's default for a trailing argument its caller left out: methods with

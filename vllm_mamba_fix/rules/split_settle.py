@@ -67,8 +67,9 @@ def settle(scheduler: Any, options: SplitOptions) -> tuple[SplitState, BlockUnit
             on_built(scheduler)
     state, unit = settle_split(scheduler, options.block_rule, options.advances_sub_block)
     # With the sizes agreeing, a call looks at nothing unless a rule of this class can act.
-    acts = options.deadlock_rules or options.hears_split_zeros
-    acts = acts or (options.block_rule and options.realign and options.realign_others)
+    acts = options.deadlock_rules or (
+        options.block_rule and options.realign and options.realign_others
+    )
     quiet = state.view is None and not (acts and state.size)
     # The re-align rules: the split rule's own requests, or (where vLLM's split keeps a
     # mid-block start misaligned) every request under the block-unit rule.

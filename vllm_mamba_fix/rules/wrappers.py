@@ -1,5 +1,4 @@
-# Carrier of: split (rules/split_rule.py) and block-unit (rules/block_unit.py), and the
-#             stall-watchdog's ear on the split (rules/stall_watch.py).
+# Carrier of: split (rules/split_rule.py) and block-unit (rules/block_unit.py).
 """The wrappers around ``Scheduler`` methods; :mod:`vllm_mamba_fix.install.patch` installs them.
 
 - ``_mamba_block_aligned_split``: the carrier of the split and block-unit rules. Per call,
@@ -7,8 +6,7 @@
   a scheduler where no rule can act gets vLLM's answer; one where the block-unit rule
   engaged asks vLLM through the cache's block (:mod:`vllm_mamba_fix.rules.block_unit`);
   then :func:`make_look` returns an answer no rule acts on after a few comparisons, and
-  hands the others to the split rule's corrector (:mod:`vllm_mamba_fix.rules.split_rule`);
-  a final 0 is told to the watchdog.
+  hands the others to the split rule's corrector (:mod:`vllm_mamba_fix.rules.split_rule`).
 - ``_try_schedule_encoder_inputs``: in :mod:`vllm_mamba_fix.rules.encoder_wrapper`.
 - ``__init__``: runs the per-scheduler check once the scheduler is built.
 - ``_free_request``: per-request state ends with the request.
@@ -30,7 +28,7 @@ from vllm_mamba_fix.facts.blocks import SPLIT_ATTR, SplitState
 from vllm_mamba_fix.facts.config import Scope
 from vllm_mamba_fix.facts.targets import MARKER, SPLIT_METHOD, Args, Kwargs
 from vllm_mamba_fix.observe import counters, record
-from vllm_mamba_fix.rules import block_unit, stall_watch
+from vllm_mamba_fix.rules import block_unit
 from vllm_mamba_fix.rules.block_unit import Engaged, Look
 from vllm_mamba_fix.rules.marking import marked
 from vllm_mamba_fix.rules.split_rule import (
@@ -41,7 +39,7 @@ from vllm_mamba_fix.rules.split_rule import (
     make_corrector,
 )
 from vllm_mamba_fix.rules.split_settle import settle
-from vllm_mamba_fix.rules.zero_streaks import SPLIT_ZEROS, forget_request
+from vllm_mamba_fix.rules.zero_streaks import forget_request
 
 StateOf = Callable[[Any], SplitState]
 NO_KWARGS: Kwargs = {}  # the known signature's keywords: none (only ever unpacked, never changed)
@@ -102,7 +100,6 @@ def _known_signature(parts: SplitParts) -> Callable[..., int]:
     forwards positionally (no ``*args``/``**kwargs``, which alone would cost about 0.6 us a
     call) and returns a whole chunk at once unless a rule can look at it."""
     original, options, state_of, engaged, look, fall_back = parts
-    heard = SPLIT_ZEROS.by_request  # requests whose split 0 the watchdog heard
 
     def split(
         self: Any,
@@ -130,13 +127,9 @@ def _known_signature(parts: SplitParts) -> Callable[..., int]:
         if state.quiet:
             return answer
         try:
-            # Nothing to look at: a whole chunk that cannot cross a boundary and has no 0 of
-            # its own the watchdog heard (every decode, most prefill chunks).
-            if (
-                answer == num_new_tokens
-                and not state.whole_chunks_cross
-                and not (heard and request.request_id in heard)
-            ):
+            # Nothing to look at: a whole chunk that cannot cross a boundary (every decode,
+            # most prefill chunks).
+            if answer == num_new_tokens and not state.whole_chunks_cross:
                 return answer
             start = request.num_computed_tokens + local + external
         except Exception as exc:
@@ -179,44 +172,28 @@ def make_look(
 ) -> Look:
     """What the wrapper does with vLLM's answer: returned as it is unless a rule can act on
     it (a whole chunk that crosses a boundary from mid-block, a 0 of the split rule's scope,
-    any changed chunk, or a request whose 0 the watchdog heard), else corrected; a final 0
-    is told to the watchdog."""
-    heard = SPLIT_ZEROS.by_request  # requests whose split 0 the watchdog heard
-    hears = options.hears_split_zeros
+    any changed chunk), else corrected."""
     split_rule_takes = _split_rule_scope(options)
     correct = make_corrector(original, options)
 
     def look(self: Any, request: Any, asked: int, answer: int, start: int, state: SplitState,
              args: Args, kwargs: Kwargs) -> int:  # fmt: skip
         try:
-            pending = heard and request.request_id in heard
             if answer == asked:
                 crosses = state.whole_chunks_cross and crosses_next_boundary(
                     start, answer, state.size
                 )
-                if not pending and not crosses:
+                if not crosses:
                     return answer
             elif not answer and (asked <= 0 or not split_rule_takes(request)):
-                return _told(hears, self, request, asked, answer, start, pending)
+                return answer
             if can_need_correction(answer, asked, start, state.size):
                 answer = correct(self, request, asked, answer, start, state, args, kwargs)
-            return _told(hears, self, request, asked, answer, start, pending)
+            return answer
         except Exception as exc:
             return fall_back(exc, answer)
 
     return look
-
-
-def _told(hears: bool, scheduler: Any, request: Any, asked: int, answer: int, start: int,
-          pending: bool) -> int:  # fmt: skip
-    """The final answer, once the watchdog heard it: a 0 of a request with tokens to give (in
-    a rule's scope or not), or the move of a request whose 0 it heard."""
-    if answer:
-        if pending:
-            stall_watch.split_moved(request.request_id)
-    elif hears and asked > 0:
-        stall_watch.split_zero(scheduler, request, start)
-    return answer
 
 
 def _split_rule_scope(options: WrapOptions) -> Callable[[Any], bool]:
