@@ -23,7 +23,7 @@ from vllm_mamba_fix.decide.stalls import (
     own_inputs_block,
 )
 from vllm_mamba_fix.facts.targets import MARKER
-from vllm_mamba_fix.rules import end_order, stall_end, stall_watch, zero_streaks
+from vllm_mamba_fix.rules import end_order, stall_end, stall_look, stall_watch, zero_streaks
 
 
 def test_the_proof_on_the_stall_shapes() -> None:
@@ -101,7 +101,7 @@ def test_the_watchdogs_look_never_raises_into_vllm(monkeypatch: pytest.MonkeyPat
             assert wrapper(host, out, "runner") == {"outputs": (out, "runner")}
     finally:
         logger.removeHandler(handler)
-        stall_watch.forget_named()
+        stall_look.forget_watches()
     failed = [r.getMessage() for r in records if "the stall watchdog failed" in r.getMessage()]
     assert len(failed) == 1, failed
     assert not zero_streaks.tracked_requests() & {"never-seen"}

@@ -1,4 +1,5 @@
-"""rules/stall_watch.py: the stall watchdog's look once per step, under a clock the test moves.
+"""rules/stall_watch.py and its look, rules/stall_look.py: the stall watchdog once per step,
+under a clock the test moves.
 
 The scheduler and the step's ``scheduler_output`` are stand-ins with the fields the watchdog
 reads (vLLM's names); every wait of the clock is longer than the bound it tests. What the
@@ -19,8 +20,8 @@ import pytest
 
 from vllm_mamba_fix.facts.blocks import BLOCK_ATTR
 from vllm_mamba_fix.observe import counters
-from vllm_mamba_fix.rules import end_order, stall_watch
-from vllm_mamba_fix.rules.stall_watch import SAMPLE_SECONDS
+from vllm_mamba_fix.rules import end_order, stall_look, stall_watch
+from vllm_mamba_fix.rules.stall_look import SAMPLE_SECONDS
 
 SECONDS = 30.0
 BUDGET = 1000
@@ -87,6 +88,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
     counters.reset()
     yield fake
     stall_watch.forget_named()
+    stall_look.forget_watches()
     end_order.forget_orders()
 
 
@@ -105,15 +107,20 @@ def records() -> Iterator[list[logging.LogRecord]]:
     logger.removeHandler(handler)
 
 
+def observer(end_after: float | None) -> Any:
+    """The look the update wrapper builds, with the rule's module."""
+    return stall_look.make_observer(stall_look.Watching(SECONDS, end_after, stall_watch))
+
+
 def streak_of(scheduler: Any, rid: str = "r") -> Any:
-    watch = stall_watch._watches.get(scheduler)
+    watch = stall_look._watches.get(scheduler)
     return None if watch is None else watch.store.by_request.get(rid)
 
 
 def test_a_stop_is_named_once_after_three_samples_and_the_bound(
     clock: Clock, records: list[logging.LogRecord]
 ) -> None:
-    observe = stall_watch.make_observer(SECONDS, None)
+    observe = observer(None)
     scheduler, req = Scheduler(), request()
     running(scheduler, req)
     for step in range(3):
@@ -136,7 +143,7 @@ def test_a_stop_is_named_once_after_three_samples_and_the_bound(
 def test_a_step_that_used_its_budget_counts_no_stop(clock: Clock) -> None:
     """Issue 44: a 0 in a step that left less than a block of token budget is a wait; one in
     a step that left a block is a stop (the split would not have floored a block)."""
-    observe = stall_watch.make_observer(SECONDS, None)
+    observe = observer(None)
     scheduler, req = Scheduler(), request()
     running(scheduler, req)
     observe(scheduler, output(USED))
@@ -158,17 +165,17 @@ def test_a_step_that_used_its_budget_counts_no_stop(clock: Clock) -> None:
 
 
 def test_the_least_chunk_is_the_longest_chunk_where_that_is_shorter(clock: Clock) -> None:
-    observe = stall_watch.make_observer(SECONDS, None)
+    observe = observer(None)
     scheduler, req = Scheduler(), request()
     scheduler.scheduler_config.long_prefill_token_threshold = 100
     running(scheduler, req)
-    assert stall_watch.least_chunk(scheduler) == 100
+    assert stall_look.least_chunk(scheduler) == 100
     observe(scheduler, output(BUDGET - 100))
     assert streak_of(scheduler) is not None
 
 
 def test_a_scheduled_or_decoding_request_is_no_candidate(clock: Clock) -> None:
-    observe = stall_watch.make_observer(SECONDS, None)
+    observe = observer(None)
     scheduler = Scheduler()
     decoding = request("decoding", computed=1000)
     scheduled = request("scheduled")
@@ -180,7 +187,7 @@ def test_a_scheduled_or_decoding_request_is_no_candidate(clock: Clock) -> None:
 def test_the_waiting_head_counts_only_where_the_waiting_loop_ran(clock: Clock) -> None:
     """Behind max_num_seqs (every running slot taken) or a preemption the waiting loop does
     not run: its head's 0 says nothing. With a free slot, the head (not the one behind it)."""
-    observe = stall_watch.make_observer(SECONDS, None)
+    observe = observer(None)
     scheduler = Scheduler(max_running=1)
     running(scheduler, request("decoding", computed=1000))
     head, behind = request("head", 0, "WAITING"), request("behind", 0, "WAITING")
@@ -199,7 +206,7 @@ def test_the_waiting_head_counts_only_where_the_waiting_loop_ran(clock: Clock) -
 
 
 def test_a_zero_that_moves_to_another_position_starts_a_new_streak(clock: Clock) -> None:
-    observe = stall_watch.make_observer(SECONDS, None)
+    observe = observer(None)
     scheduler, req = Scheduler(), request()
     running(scheduler, req)
     observe(scheduler, output(LEFT_A_BLOCK))
@@ -215,14 +222,14 @@ def test_it_samples_at_most_once_a_second(clock: Clock, monkeypatch: pytest.Monk
     clock that moves 0.1 s per read, 30 steps: 3 s, so at most 4 samples."""
     clock.per_call = 0.1
     samples: list[int] = []
-    real_sample = stall_watch.sample
+    real_sample = stall_look.sample
 
     def counting(*args: Any) -> None:
         samples.append(args[4])
         real_sample(*args)
 
-    monkeypatch.setattr(stall_watch, "sample", counting)
-    observe = stall_watch.make_observer(SECONDS, None)
+    monkeypatch.setattr(stall_look, "sample", counting)
+    observe = observer(None)
     scheduler = Scheduler()
     running(scheduler, request())
     for _ in range(30):
@@ -236,7 +243,7 @@ def test_it_samples_at_most_once_a_second(clock: Clock, monkeypatch: pytest.Monk
 def test_the_named_stalls_live_beside_the_scheduler_not_on_it(clock: Clock) -> None:
     """No coupling through a scheduler's attributes: naming sets none, and a scheduler that
     goes takes its streaks and named stalls with it."""
-    observe = stall_watch.make_observer(SECONDS, 60.0)
+    observe = observer(60.0)
     scheduler, req = Scheduler(), request()
     running(scheduler, req)
     before = set(vars(scheduler))
@@ -250,13 +257,13 @@ def test_the_named_stalls_live_beside_the_scheduler_not_on_it(clock: Clock) -> N
     gc.collect()
     assert gone() is None
     assert len(stall_watch._named) == 0
-    assert len(stall_watch._watches) == 0
+    assert len(stall_look._watches) == 0
 
 
 def test_a_freed_request_leaves_no_streak(clock: Clock) -> None:
     from vllm_mamba_fix.rules.zero_streaks import forget_request, tracked_requests
 
-    observe = stall_watch.make_observer(SECONDS, None)
+    observe = observer(None)
     scheduler, req = Scheduler(), request("freed")
     running(scheduler, req)
     observe(scheduler, output(LEFT_A_BLOCK))

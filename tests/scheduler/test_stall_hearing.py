@@ -261,25 +261,25 @@ def test_budget_starved_request_is_never_ended(
 
 
 def _calls_into_the_watchdog() -> tuple[list[str], list[str]]:
-    """Every call of a function of rules/stall_watch.py from now until the profile is
-    removed: (callers that are the update wrapper, callers inside the split or the encoder
-    check). Returned lists fill as the scheduler runs."""
+    """Every call of a function of rules/stall_watch.py or rules/stall_look.py from now until
+    the profile is removed: (callers that are the update wrapper, callers inside the split or
+    the encoder check). Returned lists fill as the scheduler runs."""
     import sys
     from pathlib import Path
 
-    from vllm_mamba_fix.rules import encoder_wrapper, stall_end, stall_watch, wrappers
+    from vllm_mamba_fix.rules import encoder_wrapper, stall_end, stall_look, stall_watch, wrappers
 
-    watch = stall_watch.__file__
+    watch = {stall_watch.__file__, stall_look.__file__}
     inside = {wrappers.__file__, encoder_wrapper.__file__}
     carrier = stall_end.__file__
     from_update: list[str] = []
     from_inside: list[str] = []
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event != "call" or frame.f_code.co_filename != watch:
+        if event != "call" or frame.f_code.co_filename not in watch:
             return
         caller = frame.f_back
-        while caller is not None and caller.f_code.co_filename == watch:
+        while caller is not None and caller.f_code.co_filename in watch:
             caller = caller.f_back
         outer = frame.f_back
         while outer is not None:
@@ -329,7 +329,7 @@ def test_the_watchdog_samples_at_most_once_a_second(
 ) -> None:
     """The cost bound on the real scheduler: a clock that moves 0.1 s per read, 30 steps of
     the mutual hold (a stop in every step): one read per step, at most 4 samples."""
-    from vllm_mamba_fix.rules import stall_watch
+    from vllm_mamba_fix.rules import stall_look, stall_watch
 
     _needs_the_hold(family)
     clock = install_clock(monkeypatch, per_call=0.1)
@@ -343,13 +343,13 @@ def test_the_watchdog_samples_at_most_once_a_second(
 
     monkeypatch.setattr(stall_watch, "clock", counted_clock)
     samples: list[int] = []
-    real_sample = stall_watch.sample
+    real_sample = stall_look.sample
 
     def counting(*args: Any) -> None:
         samples.append(args[4])
         real_sample(*args)
 
-    monkeypatch.setattr(stall_watch, "sample", counting)
+    monkeypatch.setattr(stall_look, "sample", counting)
     load_plugin(**ENV, VLLM_MAMBA_FIX_SPLIT_RULE="0")
     if _watchdog_seconds() is None:
         pytest.skip("the plugin runs no watchdog with the split rule off on this release")

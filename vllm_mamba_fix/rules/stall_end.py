@@ -6,7 +6,7 @@
 #           ended with vLLM's own scheduler-side finish, so the client reads why.
 # Runs on:  where the watchdog runs and the class has update_from_output and finish_requests
 #           (rules/end_order.py: support); every release 0.15.0-0.33.0 has that path. Its
-#           wrapper also carries the watchdog's per-step look (rules/stall_watch.py).
+#           wrapper also carries the watchdog's per-step look (rules/stall_look.py).
 # Decided:  by its setting, and on only with the watchdog (decide/policy.py:
 #           stall_end_verdict).
 # Removed:  with the watchdog.
@@ -66,7 +66,7 @@ from typing import Any
 from vllm_mamba_fix._log import failure_reporter, logger
 from vllm_mamba_fix._log import fields as log_fields
 from vllm_mamba_fix.observe import counters
-from vllm_mamba_fix.rules import stall_watch
+from vllm_mamba_fix.rules import stall_look, stall_watch
 from vllm_mamba_fix.rules.end_order import EndOrder, take_orders
 from vllm_mamba_fix.rules.marking import marked
 
@@ -155,7 +155,7 @@ def make_update_from_output_wrapper(
     original: Callable[..., Any], options: Any
 ) -> Callable[..., Any]:
     """Wrap ``update_from_output``: end the ordered requests first, as vLLM ends aborts, then
-    let the watchdog look at the step (:func:`vllm_mamba_fix.rules.stall_watch.make_observer`).
+    let the watchdog look at the step (:func:`vllm_mamba_fix.rules.stall_look.make_observer`).
 
     The hot path is one dict lookup and the watchdog's clock read; vLLM's own exceptions
     propagate, the plugin's never do.
@@ -163,9 +163,11 @@ def make_update_from_output_wrapper(
     fall_back = failure_reporter("ending a stalled request")
     watch_failed = failure_reporter("the stall watchdog")
     seconds = options.stall_seconds
-    observe = (
-        None if seconds is None else stall_watch.make_observer(seconds, options.end_stalls_after)
-    )
+    observe = None
+    if seconds is not None:  # the watchdog's look, handed its rule (rules/stall_look.py)
+        observe = stall_look.make_observer(
+            stall_look.Watching(seconds, options.end_stalls_after, stall_watch)
+        )
 
     def wrapper(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         ended = _end_orders(self, scheduler_output, fall_back)
