@@ -26,7 +26,7 @@ from tests.stall_end_helpers import (
     ended,
     install_clock,
     load_with_stall_end,
-    update_stock,
+    update_without_end,
     update_wrapped,
 )
 from tools import sched_harness as harness
@@ -133,7 +133,7 @@ def test_speculative_stall_is_ended(
     clock = install_clock(monkeypatch)
     load_plugin(**_env(end_after))
     counters.reset()
-    with update_stock() if end_after == "off" else update_wrapped(BOUND):
+    with update_without_end() if end_after == "off" else update_wrapped(BOUND):
         h, finishes = _run(mode.apply(ISSUE_CONFIG), clock, SPEC_FIRST, SPEC_BEHIND)
     if end_after == "off":
         # Stock's hang, named and left: the image request waits, and so does the image
