@@ -5,11 +5,11 @@
 - the five rules, each one module opening with its header (the vLLM issue it answers, the
   releases it runs on, how it is decided, what removes it), then when it applies and what it
   does per call: ``split_rule.py``, ``block_unit.py``, ``speculative_stall.py``,
-  ``stall_watch.py``, ``stall_end.py`` (the last carries itself: the ``update_from_output``
-  wrapper);
+  ``stall_watch.py``, ``stall_end.py`` (the last carries itself and the watchdog's look,
+  ``stall_look.py``: the ``update_from_output`` wrapper);
 - the carriers: ``wrappers.py`` (the split method's wrapper, for the split and block-unit
   rules, and the ``__init__`` and ``_free_request`` wrappers) and ``encoder_wrapper.py`` (the
-  encoder-input check's, for the speculative-stall rule and the watchdog's ear);
+  encoder-input check's, for the speculative-stall rule and the split rule's ear);
 - shared: ``split_settle.py`` (a scheduler's split state, once), ``encoder_cut.py`` (which
   chunk the encoder check cut), ``encoder_facts.py`` (what a request's own inputs need),
   ``zero_streaks.py`` (the stores of 0s), ``end_order.py`` (the watchdog's order to the end).

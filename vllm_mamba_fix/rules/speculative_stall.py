@@ -9,8 +9,8 @@
 #           look-ahead), by the version where it cannot tell (decide/policy.py:
 #           speculative_verdict).
 # Removed:  0.33.0 frees without the delay and cuts without the shift: the rule goes with the
-#           last supported 0.32. Its carrier, rules/encoder_wrapper.py, stays the watchdog's
-#           ear on the encoder-input check while the watchdog runs (rules/stall_watch.py).
+#           last supported 0.32. Its carrier, rules/encoder_wrapper.py, stays the split
+#           rule's ear (rules/encoder_cut.py) while that rule runs.
 """The speculative-stall rule, per 0 of the encoder-input check (its carrier:
 :mod:`vllm_mamba_fix.rules.encoder_wrapper`).
 
