@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from vllm_mamba_fix.decide.stalls import Streak
 from vllm_mamba_fix.facts.blocks import BLOCK_ATTR
 from vllm_mamba_fix.observe import counters
 from vllm_mamba_fix.rules import end_order, stall_look, stall_watch
@@ -270,3 +271,61 @@ def test_a_freed_request_leaves_no_streak(clock: Clock) -> None:
     assert "freed" in tracked_requests()
     forget_request("freed")
     assert "freed" not in tracked_requests()
+
+
+def image(offset: int, length: int) -> Any:
+    return SimpleNamespace(mm_position=SimpleNamespace(offset=offset, length=length))
+
+
+def test_the_cause_reads_what_the_request_stands_at(clock: Clock) -> None:
+    """At an input the check cannot schedule: the check's own 0 (False); before it, a cut
+    only the split floors (None); no speculative shift, so never the speculative stall."""
+    scheduler = Scheduler()
+    streak = Streak(100, 3, 0.0)
+    at_input = request()
+    at_input.mm_features = [image(100, 50)]
+    assert stall_look.speculative_zero(scheduler, at_input, 100, streak) is False
+    before_input = request()
+    before_input.mm_features = [image(120, 50)]
+    assert stall_look.speculative_zero(scheduler, before_input, 100, streak) is None
+    # An input it holds is no wait: the next one decides.
+    scheduler.encoder_cache_manager.get_cached_input_ids = lambda request: {0}
+    both = request()
+    both.mm_features = [image(90, 20), image(130, 10)]
+    assert stall_look.speculative_zero(scheduler, both, 100, streak) is None
+
+
+def test_a_waiting_request_stands_at_its_prefix_hit(clock: Clock) -> None:
+    """A request with nothing computed starts at its local prefix-cache hit (read from the
+    coordinator, as vLLM's get_computed_blocks, without its stats), where vLLM asks for it."""
+    scheduler, waiting = Scheduler(), request("w", 0, "WAITING")
+    waiting.block_hashes = ["h0", "h1"]
+    asked: list[Any] = []
+
+    def find_longest_cache_hit(hashes: Any, max_length: int) -> tuple[Any, int, int]:
+        asked.append((hashes, max_length))
+        return (), 256, 0
+
+    scheduler.kv_cache_manager = SimpleNamespace(
+        enable_caching=True,
+        coordinator=SimpleNamespace(find_longest_cache_hit=find_longest_cache_hit),
+    )
+    assert stall_look.start_of(scheduler, waiting) == 256
+    assert asked == [(["h0", "h1"], 999)]
+    waiting.skip_reading_prefix_cache = True
+    assert stall_look.start_of(scheduler, waiting) == 0
+    scheduler.kv_cache_manager.enable_caching = False
+    waiting.skip_reading_prefix_cache = False
+    assert stall_look.start_of(scheduler, waiting) == 0
+    assert stall_look.start_of(scheduler, request()) == 100  # computed tokens: no lookup
+    assert len(asked) == 1
+    # The head is counted there, and its streak holds while the hit stays.
+    scheduler.kv_cache_manager.enable_caching = True
+    scheduler.waiting.append(waiting)
+    scheduler.requests["w"] = waiting
+    observe = observer(None)
+    observe(scheduler, output(0))
+    assert streak_of(scheduler, "w").position == 256
+    clock.now += SAMPLE_SECONDS
+    observe(scheduler, output(0))
+    assert streak_of(scheduler, "w").steps == 2
