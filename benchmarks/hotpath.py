@@ -6,7 +6,8 @@ Three arms, side by side in one run (issue 11 item 3):
 - ``split``: the 0.1.0-equivalent plugin: only the split wrapper (the same wrapper object
   the plugin installs; its fast path is unchanged since 0.1.0), the encoder method stock;
 - ``split+encoder``: the plugin as installed now: the split wrapper and the wrapper on
-  ``_try_schedule_encoder_inputs`` (speculative-stall rule and stall watchdog, watchdog on).
+  ``_try_schedule_encoder_inputs`` (speculative-stall rule; the stall watchdog, on, looks
+  once per step from ``update_from_output``).
 
 ``schedule()``: three identical schedulers (same requests, same warm-up) step in lockstep;
 before each timed ``schedule()`` the class attributes are set to that arm's methods, and the
@@ -77,13 +78,16 @@ def _install(cls: type, functions: dict[str, Callable[..., Any]]) -> None:
 
 
 def watchdog_settings() -> dict[str, Any]:
-    """What the installed encoder wrapper was built with (the watchdog must be on)."""
+    """What the installed wrappers were built with: the watchdog's seconds from the
+    update_from_output wrapper (its carrier), the speculative-stall rule from the encoder's."""
     from vllm_mamba_fix.facts import targets
 
-    options = getattr(_scheduler_class().__dict__[ENCODER_METHOD], targets.MARKER)
+    cls = _scheduler_class()
+    update = getattr(cls.__dict__.get(targets.UPDATE_METHOD), targets.MARKER, None)
+    encoder = getattr(cls.__dict__.get(ENCODER_METHOD), targets.MARKER, None)
     return {
-        "stall_seconds": options.stall_seconds,
-        "release_speculative_stalls": options.release_speculative_stalls,
+        "stall_seconds": getattr(update, "stall_seconds", None),
+        "release_speculative_stalls": getattr(encoder, "release_speculative_stalls", False),
     }
 
 

@@ -1,5 +1,6 @@
 """Shared by the stall-end tests (issue 21 item 1): a clock the test advances, the plugin's
-``update_from_output`` wrapper, and what a scheduler hands the engine core.
+``update_from_output`` wrapper (the stall end's, and the watchdog's look's), and what a
+scheduler hands the engine core.
 
 The watchdog reads ``vllm_mamba_fix.rules.stall_watch.clock``; tests put a :class:`Clock` there
 instead of sleeping for minutes. :func:`update_wrapped` checks that the plugin's loader
@@ -45,10 +46,12 @@ def install_clock(monkeypatch: pytest.MonkeyPatch, per_call: float = 0.0) -> Clo
 
 
 def stall_end_installed() -> bool:
-    """Whether the plugin's update wrapper is on ``Scheduler``."""
+    """Whether the plugin's update wrapper is on ``Scheduler`` and carries the stall end (it
+    also carries the watchdog's look, with or without the end)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    return isinstance(getattr(Scheduler.__dict__.get(UPDATE_METHOD), MARKER, None), EndOptions)
+    options = getattr(Scheduler.__dict__.get(UPDATE_METHOD), MARKER, None)
+    return isinstance(options, EndOptions) and options.end_stalls_after is not None
 
 
 def load_with_stall_end(load: Callable[..., object]) -> None:
@@ -80,12 +83,13 @@ def update_wrapped(end_after: float | None = None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def update_stock() -> Iterator[None]:
-    """Fails unless ``Scheduler``'s update is vLLM's own (the stall-end rule off)."""
+def update_without_end() -> Iterator[None]:
+    """Fails unless ``Scheduler``'s update carries no stall end (the stall-end rule off): vLLM's
+    own, or the plugin's wrapper with the watchdog's look alone."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    method = Scheduler.__dict__.get(UPDATE_METHOD)
-    assert getattr(method, MARKER, None) is None, f"Scheduler.{UPDATE_METHOD} is wrapped"
+    options = getattr(Scheduler.__dict__.get(UPDATE_METHOD), MARKER, None)
+    assert options is None or options.end_stalls_after is None, options
     yield
 
 

@@ -15,6 +15,7 @@ from tests.doctor.conftest import (
     BACKPORT_CODE,
     PRE_FIX_CODE,
     REPO,
+    UPDATE_CODE,
     Run,
     _fake_run,
     _needed_by_version,
@@ -59,16 +60,17 @@ def test_both_evidences_are_shown_and_the_code_decides(real: dict[str, Run]) -> 
 @pytest.mark.parametrize(
     ("vllm_version", "family", "needed", "wrapped"),
     [
-        ("0.25.1", "0.24", ["split", "speculative-stall"], 2),
+        ("0.25.1", "0.24", ["split", "speculative-stall"], 3),
         # 0.28-0.32: upstream fixed the split, not the speculative stall. The split is still
         # wrapped, for the block-unit rule (vLLM #54076), on every release that has it.
-        ("0.32.0", "0.28", ["speculative-stall"], 2),
+        ("0.32.0", "0.28", ["speculative-stall"], 3),
     ],
 )
 def test_fake_affected_release_is_protected(
     tmp_path: Path, vllm_version: str, family: str, needed: list[str], wrapped: int
 ) -> None:
-    data = _fake_run(tmp_path, vllm_version, "--json").json()
+    # With update_from_output, the watchdog's carrier (and the stall end's): three wrapped.
+    data = _fake_run(tmp_path, vllm_version, "--json", code=UPDATE_CODE).json()
     assert (data["status"], data["exit_code"], data["family"]["name"]) == ("protected", 0, family)
     assert data["policy"]["needed_rules"] == needed
     assert data["dry_run"]["patched"] and data["dry_run"]["restored"]

@@ -10,10 +10,10 @@ The stall is vLLM 0.27.1's own two-image hang (``VLLM_MAMBA_FIX_SPLIT_RULE=0`` l
 stock while the block-unit rule, the watchdog and the stall end run): image 1 [1, 257) held in
 the 384-token encoder cache, image 2 [259, 515) does not fit beside it, the encoder cut leaves 3
 tokens before it and stock's split floors them to 0 at token 256, every step. That is the real
-path an un-endable stall takes: the split's 0 reaches the watchdog through ``split_zero``
-(wrappers.py), the watchdog names it, the end is ordered in ``schedule()`` and carried out by
-the ``update_from_output`` wrapper in the engine core, and the finish travels vLLM's own
-output path to the API server and the client.
+path an un-endable stall takes: the watchdog's look in the ``update_from_output`` wrapper
+(stall_look.py) finds it stopped in steps that left token budget unused, the watchdog names it,
+the end is ordered at one step and carried out by the same wrapper at the next in the engine
+core, and the finish travels vLLM's own output path to the API server and the client.
 
 Behind it: a one-image request (its image fits the cache alone, not beside the held one: it
 waits, is named, and must never be ended) and two text requests.

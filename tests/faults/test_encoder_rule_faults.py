@@ -1,15 +1,17 @@
 """The encoder-input wrapper and the code-evidence policy under faults (fake vLLM tree).
 
-The speculative-stall rule and the watchdog live on
-``Scheduler._try_schedule_encoder_inputs``: an unexpected shape leaves that
-method stock with one line, the wrapper never raises into vLLM, and the code
-of the scheduler, not only its version, decides what is patched.
+The speculative-stall rule lives on ``Scheduler._try_schedule_encoder_inputs``
+(the watchdog on ``update_from_output``, which an odd encoder check leaves alone):
+an unexpected shape leaves that method stock with one line, the wrapper never
+raises into vLLM, and the code of the scheduler, not only its version, decides
+what is patched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -54,7 +56,7 @@ def test_unexpected_encoder_signature_leaves_that_method_stock(
     module.Scheduler(BLOCK)
     logs.assert_no_traceback()
     (warning,) = logs.warnings
-    assert "not installing speculative-stall, stall-watchdog, stall-end:" in warning
+    assert "not installing speculative-stall:" in warning and "stall-watchdog" not in warning
     assert "unexpected signature" in warning and "computed, n, budget, shift" in warning
     (active,) = [line for line in logs.visible if " active: " in line]
     assert "carries split [" in active and "wraps" in active
@@ -101,7 +103,7 @@ def test_vllms_own_error_in_the_encoder_method_propagates(fake_vllm: FakeFactory
     setattr(scheduler, ENCODER, boom)
     try:
         options = encoder_wrapper.EncoderOptions(
-            ScopePolicy(vllm_mamba_fix.facts.config.Scope.MULTIMODAL), True, 0.0
+            ScopePolicy(vllm_mamba_fix.facts.config.Scope.MULTIMODAL), True
         )
         patch.wrap_encoder(scheduler, options)
         with pytest.raises(VllmOwnError) as excinfo:
@@ -112,19 +114,38 @@ def test_vllms_own_error_in_the_encoder_method_propagates(fake_vllm: FakeFactory
         setattr(scheduler, ENCODER, original)
 
 
+def _stopped_step(instance: Any, request: FakeRequest, scheduled: int = 0) -> Any:
+    """What the fake's update_from_output is handed: a step that gave ``request`` ``scheduled``
+    tokens and left the rest of the budget unused; the fake scheduler gets vLLM's fields."""
+    request.is_finished = lambda: False  # type: ignore[attr-defined]
+    instance.requests = {request.request_id: request}
+    instance.running = [request]
+    instance.waiting = []
+    instance.max_num_running_reqs = 8
+    instance.max_num_scheduled_tokens = 1024
+    instance.scheduler_config = SimpleNamespace(
+        max_num_batched_tokens=1024, long_prefill_token_threshold=0
+    )
+    tokens = {request.request_id: scheduled} if scheduled else {}
+    return SimpleNamespace(num_scheduled_tokens=tokens, total_num_scheduled_tokens=scheduled)
+
+
 def test_watchdog_names_a_stall_once_and_says_when_it_moves(
     monkeypatch: pytest.MonkeyPatch, logs: LogCapture, fake_vllm: FakeFactory
 ) -> None:
+    from vllm_mamba_fix.rules import stall_watch
+
     monkeypatch.setenv("VLLM_MAMBA_FIX_STALL_SECONDS", "0")
+    ticks = iter(range(0, 10_000, 2))  # 2 s per reading: the watchdog samples every step
+    monkeypatch.setattr(stall_watch, "clock", lambda: float(next(ticks)))
     scheduler = fake_vllm(version="0.23.0").import_scheduler()
     register()
     instance = scheduler()
-    instance.encoder_blocked = True
     request = _image_request()
     before = vllm_mamba_fix.stats()
     logs.clear()
     for _ in range(5):
-        assert instance._try_schedule_encoder_inputs(request, 300, 64, 10)[1] == 0
+        assert instance.update_from_output(_stopped_step(instance, request), None) == {}
     (warning,) = logs.warnings
     for needle in (
         "request img stalled at token 300 of 1000",
@@ -135,8 +156,8 @@ def test_watchdog_names_a_stall_once_and_says_when_it_moves(
         "remedy: raise --max-num-batched-tokens",
     ):
         assert needle in warning, (needle, warning)
-    instance.encoder_blocked = False  # the fake's check now cuts before the image at 320
-    assert instance._try_schedule_encoder_inputs(request, 300, 64, 10)[1] == 20
+    request.num_computed_tokens += 20  # the step gave it 20 tokens
+    instance.update_from_output(_stopped_step(instance, request, 20), None)
     assert any("request img moves again (was stalled at token 300)" in m for m in logs.visible)
     after = vllm_mamba_fix.stats()
     assert after["stalls_detected"] - before["stalls_detected"] == 1
@@ -152,10 +173,13 @@ def test_watchdog_off_says_nothing(
     # On 0.23 that method is wrapped only as the split rule's ear (which chunks it cut).
     assert table.carried_by(vars(scheduler)[ENCODER], ENCODER) == frozenset()
     logs.clear()
+    assert not patch.is_wrapped(scheduler, targets.UPDATE_METHOD)  # no watchdog, no end
     instance = scheduler()
     instance.encoder_blocked = True
+    request = _image_request()
     for _ in range(5):
-        instance._try_schedule_encoder_inputs(_image_request(), 300, 64, 10)
+        instance._try_schedule_encoder_inputs(request, 300, 64, 10)
+        instance.update_from_output(_stopped_step(instance, request), None)
     assert logs.warnings == []
 
 

@@ -18,6 +18,7 @@ import pytest
 from vllm_mamba_fix.decide.stalls import Streak
 from vllm_mamba_fix.observe import counters
 from vllm_mamba_fix.rules import speculative_stall
+from vllm_mamba_fix.rules.speculative_stall import EncoderCall
 
 
 class Cache:
@@ -61,7 +62,9 @@ def test_a_held_image_the_request_is_past_is_freed_and_the_check_asked_without_t
         asked.append((computed, n, budget, shift))
         return ([1], 1 if not sched.encoder_cache_manager.held else 0, budget)
 
-    retry = speculative_stall.release(check, scheduler, request, 20, 11, 100, to_free, 256)
+    retry = speculative_stall.release(
+        check, EncoderCall(scheduler, request, 20, 11, 100, 1), to_free, 256
+    )
     assert retry is not None and retry[1] == 1
     assert scheduler.encoder_cache_manager.freed == [0]
     assert asked == [(20, 11, 100, 0)]
@@ -93,5 +96,8 @@ def test_a_retry_that_still_gives_0_is_no_answer() -> None:
     def check(*args: Any) -> Any:
         return ([], 0, 100)
 
-    assert speculative_stall.release(check, scheduler, request, 20, 11, 100, (0,), 256) is None
+    assert (
+        speculative_stall.release(check, EncoderCall(scheduler, request, 20, 11, 100, 1), (0,), 256)
+        is None
+    )
     assert counters.stats()["speculative_stalls_released"] == 0

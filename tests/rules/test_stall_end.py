@@ -1,5 +1,6 @@
-"""The stall end's pure parts (issue 21 item 1): the own-inputs proof, the bound, the split's
-two ears, and the update wrapper's promise never to raise into vLLM. The end itself, on the
+"""The stall end's pure parts (issue 21 item 1): the own-inputs proof, the bound, and the
+update wrapper's promise never to raise into vLLM (its ends, and the watchdog's look it
+carries). The end itself, on the
 real scheduler: tests/scheduler/test_stall_end.py and tests/properties/test_stall_end.py.
 """
 
@@ -22,8 +23,7 @@ from vllm_mamba_fix.decide.stalls import (
     own_inputs_block,
 )
 from vllm_mamba_fix.facts.targets import MARKER
-from vllm_mamba_fix.rules import end_order, stall_end, zero_streaks
-from vllm_mamba_fix.rules.stall_watch import split_moved, split_zero
+from vllm_mamba_fix.rules import end_order, stall_end, stall_look, stall_watch, zero_streaks
 
 
 def test_the_proof_on_the_stall_shapes() -> None:
@@ -80,16 +80,42 @@ def test_the_bound_needs_time_and_repeated_zeros_after_naming(
     assert not end_due(Streak(7, 9, 0.0), 1e9, bound)  # never named
 
 
-def test_the_split_ears_never_raise() -> None:
-    class Broken:
+def test_the_watchdogs_look_never_raises_into_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler the look cannot read: vLLM's result, one warning, every step."""
+
+    class Broken(_Host):
         def __getattr__(self, name: str) -> Any:
             raise RuntimeError(name)
 
-    assert split_zero(Broken(), Broken(), 5) is None
-    assert split_zero(object(), object(), -1) is None
-    assert split_moved("never-seen") is None
-    assert split_moved(None) is None  # type: ignore[arg-type]
-    assert "never-seen" not in zero_streaks.tracked_requests()
+    clock = iter(range(0, 1000, 2))
+    monkeypatch.setattr(stall_watch, "clock", lambda: float(next(clock)))
+    options = stall_end.EndOptions(30.0, 30.0)
+    wrapper = stall_end.make_update_from_output_wrapper(_Host.update_from_output, options)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    host, out = Broken(), _Output()
+    try:
+        for _ in range(3):
+            assert wrapper(host, out, "runner") == {"outputs": (out, "runner")}
+    finally:
+        logger.removeHandler(handler)
+        stall_look.forget_watches()
+    failed = [r.getMessage() for r in records if "the stall watchdog failed" in r.getMessage()]
+    assert len(failed) == 1, failed
+    assert not zero_streaks.tracked_requests() & {"never-seen"}
+
+
+def test_without_the_watchdog_the_wrapper_never_reads_its_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_clock() -> float:
+        raise AssertionError("the watchdog is off")
+
+    monkeypatch.setattr(stall_watch, "clock", no_clock)
+    wrapper, host, out = _wrapped(), _Host(), _Output()
+    assert wrapper(host, out, "runner") == {"outputs": (out, "runner")}
 
 
 def test_the_report_says_what_the_plugin_does() -> None:
@@ -121,10 +147,9 @@ class _Output:
 
 
 def _wrapped() -> Any:
-    wrapper = stall_end.make_update_from_output_wrapper(
-        _Host.update_from_output, stall_end.EndOptions(30.0)
-    )
-    assert getattr(wrapper, MARKER) == stall_end.EndOptions(30.0)
+    options = stall_end.EndOptions(None, 30.0)
+    wrapper = stall_end.make_update_from_output_wrapper(_Host.update_from_output, options)
+    assert getattr(wrapper, MARKER) == options
     assert wrapper.__wrapped__ is _Host.update_from_output  # type: ignore[attr-defined]
     return wrapper
 

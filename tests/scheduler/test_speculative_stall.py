@@ -95,7 +95,11 @@ def test_watchdog_names_the_stall(
     mode = _speculative(sched_mode)
     if not _speculative_stall_on_stock(family, 0) or family.drafter_fallback:
         pytest.skip(f"family {family.name}: the plugin ends this stall or there is none")
+    from tests.stall_end_helpers import install_clock
+
     monkeypatch.setenv("VLLM_MAMBA_FIX_STALL_SECONDS", "0")
+    # The watchdog samples once a second of its clock: 2 s per reading, every step.
+    install_clock(monkeypatch, per_call=2.0)
     assert load_plugin() == facts_for(family).image_deadlock
     assert _encoder_is_wrapped()
     result = _run(mode, 0)

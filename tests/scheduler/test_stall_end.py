@@ -26,7 +26,7 @@ from tests.stall_end_helpers import (
     ended,
     install_clock,
     load_with_stall_end,
-    update_stock,
+    update_without_end,
     update_wrapped,
 )
 from tools import sched_harness as harness
@@ -95,9 +95,9 @@ def _watchdog_seconds() -> float | None:
     """The watchdog's seconds as the plugin installed it (None: not installed)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix.facts.targets import ENCODER_METHOD, MARKER
+    from vllm_mamba_fix.facts.targets import MARKER, UPDATE_METHOD
 
-    options = getattr(getattr(Scheduler, ENCODER_METHOD, None), MARKER, None)
+    options = getattr(getattr(Scheduler, UPDATE_METHOD, None), MARKER, None)
     return getattr(options, "stall_seconds", None)
 
 
@@ -133,7 +133,7 @@ def test_speculative_stall_is_ended(
     clock = install_clock(monkeypatch)
     load_plugin(**_env(end_after))
     counters.reset()
-    with update_stock() if end_after == "off" else update_wrapped(BOUND):
+    with update_without_end() if end_after == "off" else update_wrapped(BOUND):
         h, finishes = _run(mode.apply(ISSUE_CONFIG), clock, SPEC_FIRST, SPEC_BEHIND)
     if end_after == "off":
         # Stock's hang, named and left: the image request waits, and so does the image
@@ -157,7 +157,7 @@ def test_speculative_stall_is_ended(
     assert BOUND <= waited <= BOUND + STEP_SECONDS
 
 
-# The split's own hang, the split rule off (stock's split, watched through split_zero).
+# The split's own hang, the split rule off (stock's split; the watchdog looks per step).
 SPLIT_FIRST = (image_request("running-image", (100, 50, 200)),)
 SPLIT_BEHIND = (image_request("one-image", (40, 60)), text_request("queued-text", 3000))
 
@@ -175,8 +175,6 @@ def test_split_floor_stall_is_ended(
         pytest.skip("the look-ahead stall is test_speculative_stall_is_ended's")
     clock = install_clock(monkeypatch)
     load_plugin(**_env(str(BOUND), VLLM_MAMBA_FIX_SPLIT_RULE="0"))
-    if not harness.split_is_wrapped():
-        pytest.skip("the split is not wrapped with its rule off: no split 0 reaches the watchdog")
     if _watchdog_seconds() is None:
         pytest.skip("the plugin runs no watchdog with the split rule off on this release")
     counters.reset()

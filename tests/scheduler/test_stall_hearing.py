@@ -67,9 +67,9 @@ def _drive(
 def _watchdog_seconds() -> float | None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix.facts.targets import ENCODER_METHOD, MARKER
+    from vllm_mamba_fix.facts.targets import MARKER, UPDATE_METHOD
 
-    options = getattr(getattr(Scheduler, ENCODER_METHOD, None), MARKER, None)
+    options = getattr(getattr(Scheduler, UPDATE_METHOD, None), MARKER, None)
     return getattr(options, "stall_seconds", None)
 
 
@@ -230,8 +230,9 @@ def test_budget_starved_request_is_never_ended(
     family: Family, sched_mode: Mode, load_plugin: Any, vllm_log: list[str],
     monkeypatch: pytest.MonkeyPatch, shape: Any, split_rule: str,
 ) -> None:  # fmt: skip
-    """Named perhaps, never ended: the requests complete. The clock moves 100 s on every
-    reading, so every bound is past at once (the most eager the stall end can be)."""
+    """Never named, never ended: the requests complete. The clock moves 100 s on every
+    reading, so every bound is past at once (the most eager the stall end can be), and the
+    watchdog samples every step."""
     import dataclasses
 
     from vllm_mamba_fix.rules import stall_watch
@@ -251,9 +252,111 @@ def test_budget_starved_request_is_never_ended(
         h.add(*first)
         _drive(h, None, behind, max_steps=200)
     starved = behind[0].request_id
-    # Heard where the split runs after encoder budgeting (0.15-0.27); on 0.28+ a split 0 is
-    # a budget wait the watchdog leaves unheard (the quiet bypass keeps stock's cost).
-    if facts_for(family).image_deadlock:
-        assert _named(vllm_log, starved), "the starved request never reached the watchdog"
+    # A wait is not a stop: the steps it got 0 tokens in left less than a block of budget,
+    # so the watchdog's look counts none of them (issue 44; before, every split 0 was heard
+    # and the starved request named).
+    assert not _named(vllm_log, starved), _named(vllm_log, starved)
     assert not ended(finishes) and not _ended_lines(vllm_log), finishes
     assert _completed(finishes) == set(h.requests), (finishes, h.result().stall_at)
+
+
+def _calls_into_the_watchdog() -> tuple[list[str], list[str]]:
+    """Every call of a function of rules/stall_watch.py or rules/stall_look.py from now until
+    the profile is removed: (callers that are the update wrapper, callers inside the split or
+    the encoder check). Returned lists fill as the scheduler runs."""
+    import sys
+    from pathlib import Path
+
+    from vllm_mamba_fix.rules import encoder_wrapper, stall_end, stall_look, stall_watch, wrappers
+
+    watch = {stall_watch.__file__, stall_look.__file__}
+    inside = {wrappers.__file__, encoder_wrapper.__file__}
+    carrier = stall_end.__file__
+    from_update: list[str] = []
+    from_inside: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or frame.f_code.co_filename not in watch:
+            return
+        caller = frame.f_back
+        while caller is not None and caller.f_code.co_filename in watch:
+            caller = caller.f_back
+        outer = frame.f_back
+        while outer is not None:
+            if outer.f_code.co_filename in inside:
+                from_inside.append(f"{Path(outer.f_code.co_filename).name}:{frame.f_code.co_name}")
+                return
+            outer = outer.f_back
+        if caller is not None and caller.f_code.co_filename == carrier:
+            from_update.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    return from_update, from_inside
+
+
+@pytest.mark.parametrize("split_rule", ["0", "1"])
+def test_the_split_and_the_encoder_check_call_nothing_of_the_watchdog(
+    family: Family, sched_mode: Mode, load_plugin: Any, vllm_log: list[str],
+    monkeypatch: pytest.MonkeyPatch, split_rule: str,
+) -> None:  # fmt: skip
+    """Issue 44: nothing of the watchdog runs inside the split or the encoder check; it looks
+    once per step from update_from_output, and still names the mutual hold."""
+    import sys
+
+    _needs_the_hold(family)
+    clock = install_clock(monkeypatch)
+    if split_rule == "1":
+        _stock_split_decision(monkeypatch)
+    load_plugin(**ENV, VLLM_MAMBA_FIX_SPLIT_RULE=split_rule)
+    if _watchdog_seconds() is None:
+        pytest.skip("the plugin runs no watchdog on this release")
+    with update_wrapped(BOUND):
+        h = _harness(family, sched_mode.apply(HOLD_CONFIG))
+        h.add(*_holders(2))
+        from_update, from_inside = _calls_into_the_watchdog()
+        try:
+            _drive(h, clock, max_steps=60)
+        finally:
+            sys.setprofile(None)
+    assert not from_inside, sorted(set(from_inside))
+    assert "observe" in from_update, sorted(set(from_update))
+    for rid in h.requests:
+        assert _named(vllm_log, rid), (rid, vllm_log)
+
+
+def test_the_watchdog_samples_at_most_once_a_second(
+    family: Family, sched_mode: Mode, load_plugin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cost bound on the real scheduler: a clock that moves 0.1 s per read, 30 steps of
+    the mutual hold (a stop in every step): one read per step, at most 4 samples."""
+    from vllm_mamba_fix.rules import stall_look, stall_watch
+
+    _needs_the_hold(family)
+    clock = install_clock(monkeypatch, per_call=0.1)
+    reads = 0
+    read = clock.__call__
+
+    def counted_clock() -> float:
+        nonlocal reads
+        reads += 1
+        return read()
+
+    monkeypatch.setattr(stall_watch, "clock", counted_clock)
+    samples: list[int] = []
+    real_sample = stall_look.sample
+
+    def counting(*args: Any) -> None:
+        samples.append(args[4])
+        real_sample(*args)
+
+    monkeypatch.setattr(stall_look, "sample", counting)
+    load_plugin(**ENV, VLLM_MAMBA_FIX_SPLIT_RULE="0")
+    if _watchdog_seconds() is None:
+        pytest.skip("the plugin runs no watchdog with the split rule off on this release")
+    with update_wrapped(BOUND):
+        h = _harness(family, sched_mode.apply(HOLD_CONFIG))
+        h.add(*_holders(2))
+        for _ in range(30):
+            h.step()
+    assert 25 <= reads <= 30, reads  # one per update_from_output (async: one fewer at first)
+    assert 1 <= len(samples) <= 4, samples

@@ -141,23 +141,25 @@ def test_stock_parks_the_warm_repeat(
 
 @SECOND
 def test_watchdog_names_it_where_no_rule_ends_it(
-    family: Family, sched_mode: Mode, load_plugin: Any, vllm_log: list[str], second: str
-) -> None:
-    """The plugin as 0.19-0.23 run it (speculative-stall rule off, watchdog on)."""
+    family: Family, sched_mode: Mode, load_plugin: Any, vllm_log: list[str], second: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The plugin as 0.19-0.23 run it (speculative-stall rule off, watchdog on). The
+    watchdog's clock moves 2 s per reading: it samples every step (once a second)."""
+    from tests.stall_end_helpers import install_clock
+
     mode = _speculative(sched_mode, family)
     if not _shifted_window():
         pytest.skip("0.33+: no shifted encoder window, no stall")
+    install_clock(monkeypatch, per_call=2.0)
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_fix.decide.scope import ScopePolicy
-    from vllm_mamba_fix.facts.config import Scope
     from vllm_mamba_fix.install import patch
-    from vllm_mamba_fix.rules import encoder_wrapper
+    from vllm_mamba_fix.rules.stall_end import EndOptions
 
     def rule_off() -> None:
         harness.unload_plugin()
-        policy = ScopePolicy(Scope.MULTIMODAL)
-        patch.wrap_encoder(Scheduler, encoder_wrapper.EncoderOptions(policy, False, 0.0))
+        patch.wrap_update(Scheduler, EndOptions(0.0))  # the watchdog alone, at 0 s
 
     load_plugin()
     try:

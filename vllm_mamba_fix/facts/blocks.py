@@ -124,7 +124,7 @@ class SplitState:
     quiet: bool = False
     # A chunk vLLM's split returns whole may cross a cache boundary from mid-block, where a
     # re-align rule runs (decide/decision.py, whole_chunks_may_cross): else a whole chunk
-    # needs a look only for a 0 of its own the watchdog heard.
+    # needs no look.
     whole_chunks_cross: bool = True
     # The options of the wrapper that settled it: a wrapper with other options (the class
     # re-wrapped, the plugin registered again) settles the scheduler again.

@@ -32,6 +32,7 @@ from vllm_mamba_fix.facts.targets import (
     INIT_METHOD,
     MARKER,
     SPLIT_METHOD,
+    UPDATE_METHOD,
     check_target,
     describe_function,
     shape_problem,
@@ -40,6 +41,7 @@ from vllm_mamba_fix.observe.record import MethodRecord, MethodState, class_name
 from vllm_mamba_fix.rules import table as rules
 from vllm_mamba_fix.rules.encoder_wrapper import EncoderOptions, make_encoder_wrapper
 from vllm_mamba_fix.rules.split_rule import WrapOptions, make_wrapper
+from vllm_mamba_fix.rules.stall_end import EndOptions, make_update_from_output_wrapper
 from vllm_mamba_fix.rules.wrappers import make_free_request_wrapper, make_init_wrapper
 
 # Per rule-carrying method, its wrapper's options (None: that method carries no rule).
@@ -197,12 +199,17 @@ def wrap(cls: type, options: WrapOptions) -> None:
         and ENCODER_METHOD in cls.__dict__
         and not is_wrapped(cls, ENCODER_METHOD)
     ):
-        wrap_encoder(cls, EncoderOptions(options.scope, False, None))
+        wrap_encoder(cls, EncoderOptions(options.scope, False))
 
 
 def wrap_encoder(cls: type, options: EncoderOptions) -> None:
     """Wrap ``cls``'s own encoder-input check, as :func:`wrap` does the split."""
     _set(cls, ENCODER_METHOD, make_encoder_wrapper(cls.__dict__[ENCODER_METHOD], options))
+
+
+def wrap_update(cls: type, options: EndOptions) -> None:
+    """Wrap ``cls``'s own ``update_from_output`` (the watchdog's look, the stall end)."""
+    _set(cls, UPDATE_METHOD, make_update_from_output_wrapper(cls.__dict__[UPDATE_METHOD], options))
 
 
 def undo(cls: type | None = None) -> bool:

@@ -39,7 +39,7 @@ from vllm_mamba_fix.facts.versions import Family, family_for
 from vllm_mamba_fix.install import import_hook, patch, stream_end
 from vllm_mamba_fix.observe import counters, metrics, mtp_tokens, record, series
 from vllm_mamba_fix.observe.record import ClassRecord, MethodRecord, MethodState, class_name
-from vllm_mamba_fix.rules import encoder_cut, end_order, stall_watch
+from vllm_mamba_fix.rules import encoder_cut, end_order, stall_look, stall_watch
 from vllm_mamba_fix.rules import table as rules
 from vllm_mamba_fix.rules.split_settle import set_block_unit
 from vllm_mamba_fix.rules.wrappers import settle_if_differs
@@ -383,6 +383,7 @@ def unregister() -> bool:
         _lines_logged.clear()
         encoder_cut.forget()
         stall_watch.forget_named()
+        stall_look.forget_watches()
         end_order.forget_orders()
         forget_said()
     if undone:

@@ -5,8 +5,8 @@
 - the five rules, each one module opening with its header (the vLLM issue it answers, the
   releases it runs on, how it is decided, what removes it), then when it applies and what it
   does per call: ``split_rule.py``, ``block_unit.py``, ``speculative_stall.py``,
-  ``stall_watch.py``, ``stall_end.py`` (the last carries itself: the ``update_from_output``
-  wrapper);
+  ``stall_watch.py``, ``stall_end.py`` (the last carries itself and the watchdog's look,
+  ``stall_look.py``: the ``update_from_output`` wrapper);
 - the carriers: ``split_rule.py`` is the split method's wrapper too (for the split and
   block-unit rules: a split call reads top to bottom in that one module); ``wrappers.py``
   holds the ``__init__`` and ``_free_request`` wrappers and ``encoder_wrapper.py`` the

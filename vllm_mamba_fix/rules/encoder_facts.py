@@ -4,9 +4,12 @@ never clear.
 :func:`own_inputs_proof`: its own inputs never fit, whatever other requests do. Both the
 split rule (is this encoder cut a wait, or the request's own deadlock?) and the watchdog's
 stall end ask it. :func:`cross_hold_proof`: stalled requests hold the encoder cache space
-each other needs (the stall end only). Reads vLLM's objects, imports no vLLM; the
-arithmetic is :func:`vllm_mamba_fix.decide.stalls.own_inputs_block`'s and
-:func:`vllm_mamba_fix.decide.stalls.cross_hold_block`'s.
+each other needs (the stall end only). :func:`stalled_inputs`: whether a 0 is the
+speculative stall (the speculative-stall rule's release, and the watchdog's cause). Reads
+vLLM's objects, imports no vLLM; the arithmetic is
+:func:`vllm_mamba_fix.decide.stalls.own_inputs_block`'s,
+:func:`vllm_mamba_fix.decide.stalls.cross_hold_block`'s and
+:func:`vllm_mamba_fix.decide.decision.speculative_stall_release`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_mamba_fix.decide.stalls import Hold, cross_hold_block, own_inputs_block
+from vllm_mamba_fix.decide.decision import speculative_stall_release, unshifted_cut_needed
+from vllm_mamba_fix.decide.stalls import REPEATED, Hold, Streak, cross_hold_block, own_inputs_block
 
 
 def num_embeds(request: Any, input_id: int) -> int:
@@ -31,6 +35,26 @@ def encoder_cut_shift(scheduler: Any) -> int:
     if lookahead is not None:
         return int(lookahead)
     return 1 if getattr(scheduler, "use_eagle", False) else 0
+
+
+def _placeholder(request: Any, input_id: int) -> tuple[int, int]:
+    position = request.mm_features[input_id].mm_position
+    return position.offset, position.length
+
+
+def stalled_inputs(
+    scheduler: Any, request: Any, computed: int, shift: int, streak: Streak
+) -> tuple[bool, tuple[int, ...]]:
+    """Whether this 0 is the speculative stall, and the held inputs to free to end it."""
+    manager = scheduler.encoder_cache_manager
+    held = {i: _placeholder(request, i) for i in sorted(manager.get_cached_input_ids(request))}
+    release = speculative_stall_release(computed, shift, held)
+    if release.stalled:
+        return True, tuple(release.to_free)
+    if streak.steps < REPEATED:  # the unshifted case is looked for once the 0 repeats
+        return False, ()
+    placed = {i: _placeholder(request, i) for i in range(len(request.mm_features))}
+    return unshifted_cut_needed(computed, shift, placed, held), tuple(release.to_free)
 
 
 def _has_embeds(position: Any, lo: int, hi: int) -> bool:

@@ -9,8 +9,8 @@
 #           look-ahead), by the version where it cannot tell (decide/policy.py:
 #           speculative_verdict).
 # Removed:  0.33.0 frees without the delay and cuts without the shift: the rule goes with the
-#           last supported 0.32. Its carrier, rules/encoder_wrapper.py, stays the watchdog's
-#           ear on the encoder-input check while the watchdog runs (rules/stall_watch.py).
+#           last supported 0.32. Its carrier, rules/encoder_wrapper.py, stays the split
+#           rule's ear (rules/encoder_cut.py) while that rule runs.
 """The speculative-stall rule, per 0 of the encoder-input check (its carrier:
 :mod:`vllm_mamba_fix.rules.encoder_wrapper`).
 
@@ -25,33 +25,16 @@ check again without the shift; a retry that gives tokens is the answer. No vLLM 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
-from vllm_mamba_fix.decide.decision import Action, speculative_stall_release, unshifted_cut_needed
-from vllm_mamba_fix.decide.stalls import REPEATED, Streak
+from vllm_mamba_fix.decide.decision import Action
 from vllm_mamba_fix.observe import counters
 
+# Whether a 0 is the speculative stall: read from the scheduler in encoder_facts.py, which the
+# watchdog asks too when it names a stall's cause.
+from vllm_mamba_fix.rules.encoder_facts import stalled_inputs as stalled_inputs
+
 EncoderResult = tuple[Any, ...]
-
-
-def _placeholder(request: Any, input_id: int) -> tuple[int, int]:
-    position = request.mm_features[input_id].mm_position
-    return position.offset, position.length
-
-
-def stalled_inputs(
-    scheduler: Any, request: Any, computed: int, shift: int, streak: Streak
-) -> tuple[bool, tuple[int, ...]]:
-    """Whether this 0 is the speculative stall, and the held inputs to free to end it."""
-    manager = scheduler.encoder_cache_manager
-    held = {i: _placeholder(request, i) for i in sorted(manager.get_cached_input_ids(request))}
-    release = speculative_stall_release(computed, shift, held)
-    if release.stalled:
-        return True, tuple(release.to_free)
-    if streak.steps < REPEATED:  # the unshifted case is looked for once the 0 repeats
-        return False, ()
-    placed = {i: _placeholder(request, i) for i in range(len(request.mm_features))}
-    return unshifted_cut_needed(computed, shift, placed, held), tuple(release.to_free)
 
 
 def _free_encoder_input(scheduler: Any, request: Any, input_id: int) -> None:
@@ -63,21 +46,29 @@ def _free_encoder_input(scheduler: Any, request: Any, input_id: int) -> None:
         scheduler.encoder_cache_manager.free_encoder_input(request, input_id)
 
 
+class EncoderCall(NamedTuple):
+    """One call of vLLM's encoder-input check, as its wrapper got it."""
+
+    scheduler: Any
+    request: Any
+    computed: int  # num_computed_tokens
+    asked: int  # num_new_tokens
+    encoder_budget: int  # encoder_compute_budget
+    shift: int  # shift_computed_tokens: the drafter's look-ahead (0 without EAGLE)
+
+
 def release(
     check: Callable[..., EncoderResult],
-    scheduler: Any,
-    request: Any,
-    computed: int,
-    asked: int,
-    encoder_budget: int,
+    call: EncoderCall,
     to_free: tuple[int, ...],
     block_size: int,
 ) -> EncoderResult | None:
     """Free ``to_free`` and ask vLLM's ``check`` again without the shift; its answer if it
     gives tokens (counted, with the scheduler's ``block_size`` for the log), else None."""
+    scheduler, request, computed = call.scheduler, call.request, call.computed
     for input_id in to_free:
         _free_encoder_input(scheduler, request, input_id)
-    retry = check(scheduler, request, computed, asked, encoder_budget, 0)
+    retry = check(scheduler, request, computed, call.asked, call.encoder_budget, 0)
     if not retry[1]:
         return None
     counters.record(

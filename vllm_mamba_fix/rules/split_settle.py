@@ -68,7 +68,9 @@ def settle(scheduler: Any, options: SplitOptions) -> tuple[SplitState, BlockUnit
     state, unit = settle_split(scheduler, options.block_rule, options.advances_sub_block)
     # A call looks at nothing unless a rule of this class can act, or the block-unit rule
     # counts the chunks it changes (engaged) or stops them at the cache's boundary (starved).
-    acts = options.deadlock_rules or (options.block_rule and options.realign_others)
+    acts = options.deadlock_rules or (
+        options.block_rule and options.realign and options.realign_others
+    )
     engaged = state.view is not None or state.starved
     quiet = not state.size or not (acts or engaged)
     # The re-align rules: the split rule's own requests, or (where vLLM's split keeps a

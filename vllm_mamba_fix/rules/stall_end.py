@@ -5,7 +5,8 @@
 #           each other needs) holds its request, and the queue behind it, forever. It is
 #           ended with vLLM's own scheduler-side finish, so the client reads why.
 # Runs on:  where the watchdog runs and the class has update_from_output and finish_requests
-#           (rules/end_order.py: support); every release 0.15.0-0.33.0 has that path.
+#           (rules/end_order.py: support); every release 0.15.0-0.33.0 has that path. Its
+#           wrapper also carries the watchdog's per-step look (rules/stall_look.py).
 # Decided:  by its setting, and on only with the watchdog (decide/policy.py:
 #           stall_end_verdict).
 # Removed:  with the watchdog.
@@ -40,8 +41,9 @@ and the OpenAI serving code, 0.15.1 to 0.33.0):
   through ``finish_requests``) right before ``update_from_output`` in every release.
   The wrapper of ``update_from_output`` ends the ordered requests at that same point,
   before vLLM's own update, then appends their outputs to vLLM's. ``schedule()`` never
-  runs then, so no queue is mutated while it iterates; the decision itself is taken
-  inside ``schedule()`` (the encoder-input check, the split) and only recorded.
+  runs then, so no queue is mutated while it iterates; the decision itself is taken by
+  the watchdog's look at the previous step (in this same wrapper, after the ends) and only
+  recorded.
 - No release lacks the path. A scheduler class it cannot reach (the wrapper not
   installed, an ``update_from_output`` of another shape) is named by
   :func:`vllm_mamba_fix.rules.end_order.support`, and its stalls stay named, not ended.
@@ -64,15 +66,20 @@ from typing import Any
 from vllm_mamba_fix._log import failure_reporter, logger
 from vllm_mamba_fix._log import fields as log_fields
 from vllm_mamba_fix.observe import counters
+from vllm_mamba_fix.rules import stall_look, stall_watch
 from vllm_mamba_fix.rules.end_order import EndOrder, take_orders
 from vllm_mamba_fix.rules.marking import marked
 
 
 @dataclass(frozen=True)
 class EndOptions:
-    """Options of the ``update_from_output`` wrapper."""
+    """Options of the ``update_from_output`` wrapper, the carrier of the watchdog's look and
+    of the stall end."""
 
-    end_stalls_after: float
+    # Seconds of 0 tokens before the watchdog names a stall; None: the watchdog is off.
+    stall_seconds: float | None
+    # Seconds after a named stall no rule can end before its request is ended; None: off.
+    end_stalls_after: float | None = None
 
 
 # -- the safe point: update_from_output ------------------------------------------------------
@@ -147,28 +154,28 @@ def _deliver(outputs: Any, ended: list[tuple[int, Any]]) -> None:
 def make_update_from_output_wrapper(
     original: Callable[..., Any], options: Any
 ) -> Callable[..., Any]:
-    """Wrap ``update_from_output``: end the ordered requests first, as vLLM ends aborts.
+    """Wrap ``update_from_output``: end the ordered requests first, as vLLM ends aborts, then
+    let the watchdog look at the step (:func:`vllm_mamba_fix.rules.stall_look.make_observer`).
 
-    The hot path is one dict lookup; vLLM's own exceptions propagate, the plugin's never do.
+    The hot path is one dict lookup and the watchdog's clock read; vLLM's own exceptions
+    propagate, the plugin's never do.
     """
     fall_back = failure_reporter("ending a stalled request")
+    watch_failed = failure_reporter("the stall watchdog")
+    seconds = options.stall_seconds
+    observe = None
+    if seconds is not None:  # the watchdog's look, handed its rule (rules/stall_look.py)
+        observe = stall_look.make_observer(
+            stall_look.Watching(seconds, options.end_stalls_after, stall_watch)
+        )
 
     def wrapper(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        pending = take_orders(self)
-        ended: list[tuple[int, Any]] = []
-        if pending:
-            scheduled = getattr(scheduler_output, "num_scheduled_tokens", {})
-            for order in pending:
-                try:
-                    done = _end(self, order, scheduled)
-                except Exception as exc:
-                    done = None
-                    fall_back(exc, None)
-                if done is not None:
-                    ended.append(done)
-                else:
-                    # Not ended (it moved, or the end failed): a later 0 may order it again.
-                    order.streak.ordered = False
+        ended = _end_orders(self, scheduler_output, fall_back)
+        if observe is not None:
+            try:
+                observe(self, scheduler_output)
+            except Exception as exc:
+                watch_failed(exc, None)
         outputs = original(self, scheduler_output, *args, **kwargs)
         if ended:
             try:
@@ -178,3 +185,26 @@ def make_update_from_output_wrapper(
         return outputs
 
     return marked(wrapper, original, options)
+
+
+def _end_orders(
+    scheduler: Any, scheduler_output: Any, fall_back: Callable[[Exception, Any], Any]
+) -> list[tuple[int, Any]]:
+    """Carry out the orders left for ``scheduler``; the outputs of those it ended."""
+    pending = take_orders(scheduler)
+    ended: list[tuple[int, Any]] = []
+    if not pending:
+        return ended
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", {})
+    for order in pending:
+        try:
+            done = _end(scheduler, order, scheduled)
+        except Exception as exc:
+            done = None
+            fall_back(exc, None)
+        if done is not None:
+            ended.append(done)
+        else:
+            # Not ended (it moved, or the end failed): a later 0 may order it again.
+            order.streak.ordered = False
+    return ended

@@ -8,15 +8,18 @@
 # Decided:  by its setting, and on only where the split or the speculative-stall rule is
 #           (decide/policy.py: watchdog_verdict).
 # Removed:  with the last fix rule it watches.
-"""The watchdog's two ears, the encoder-input check and the split, and the stall end's decision.
+"""The watchdog: naming a stall, and the stall end's decision.
 
-A 0 of either counts in its own streak store (:mod:`vllm_mamba_fix.rules.zero_streaks`), for
-every request, whether or not a rule acts on it; a streak long enough is named (one
-WARNING); a named stall still there ``end_stalls_after`` seconds and two 0s later is
-ordered to end if :func:`own_inputs_proof` shows that its own encoder inputs keep it there
-whatever other requests do, or :func:`cross_hold_proof` that it is the one victim of named
-stalls that hold the encoder cache space each other needs.
-:mod:`vllm_mamba_fix.rules.stall_end` executes the order. Reads the scheduler, imports no vLLM.
+Its look, once per step from the ``update_from_output`` wrapper, is
+:mod:`vllm_mamba_fix.rules.stall_look`: it counts the stops (a request that got 0 tokens in
+a step that left token budget unused) per scheduler and hands a streak long enough here.
+Nothing of the watchdog runs inside the split or the encoder-input check. A streak long
+enough is named (one WARNING, :func:`name_stall`); a named stall still there
+``end_stalls_after`` seconds and two samples later is ordered to end (:func:`consider`) if
+:func:`own_inputs_proof` shows that its own encoder inputs keep it there whatever other
+requests do, or :func:`cross_hold_proof` that it is the one victim of named stalls that hold
+the encoder cache space each other needs. :mod:`vllm_mamba_fix.rules.stall_end` executes the
+order at the next step. Reads the scheduler, imports no vLLM.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import dataclasses
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix.decide.stalls import (
@@ -37,11 +40,10 @@ from vllm_mamba_fix.decide.stalls import (
     end_due,
     own_inputs_block,
     stall_cause,
-    watchdog_due,
 )
 from vllm_mamba_fix.facts.blocks import known_block_size
 from vllm_mamba_fix.facts.config import ENV_END_STALLS_AFTER
-from vllm_mamba_fix.facts.targets import ENCODER_METHOD, MARKER, SPLIT_METHOD
+from vllm_mamba_fix.facts.targets import MARKER, SPLIT_METHOD
 from vllm_mamba_fix.observe import counters
 from vllm_mamba_fix.rules.encoder_facts import (
     OwnInputs,
@@ -53,11 +55,11 @@ from vllm_mamba_fix.rules.encoder_facts import (
     own_inputs_proof,
 )
 from vllm_mamba_fix.rules.end_order import EndOrder, order_end, ordered, support_of
-from vllm_mamba_fix.rules.zero_streaks import SPLIT_ZEROS, ZeroStreaks
+from vllm_mamba_fix.rules.zero_streaks import ZeroStreaks
 
 RECHECK_SECONDS = 1.0
-# The watchdog's time, read at each 0 (``now`` goes on to decide/stalls.py's pure
-# functions); tests put a clock they advance here.
+# The watchdog's time, read once per step by its look (rules/stall_look.py; ``now`` goes on
+# to decide/stalls.py's pure functions); tests put a clock they advance here.
 clock: Callable[[], float] = time.monotonic
 # Per scheduler, weakly: request id -> (store, streak) of each stall named there.
 _named: weakref.WeakKeyDictionary[Any, dict[str, tuple[ZeroStreaks, Streak]]] = (
@@ -157,20 +159,24 @@ def _report(
     )
 
 
-# -- the watchdog's two ears: the encoder-input check and the split -------------------------
+# -- naming a stall and considering its end ---------------------------------------------------
 
 
-def name_stall(
-    scheduler: Any,
-    request: Any,
-    store: ZeroStreaks,
-    streak: Streak,
-    now: float,
-    end_after: float | None,
-    window_end: int,
-    speculative: bool | None,
-) -> None:
-    """The watchdog names the stall (one WARNING); ``speculative`` None: a split 0."""
+class Heard(NamedTuple):
+    """One stop the watchdog heard: its streak, when, and what the stall end may do."""
+
+    store: ZeroStreaks  # the scheduler's streaks
+    streak: Streak
+    now: float  # the watchdog's clock
+    end_after: float | None  # VLLM_MAMBA_FIX_END_STALLS_AFTER (None: named only)
+    window_end: int  # end of the smallest chunk the split does not floor to 0
+
+
+def name_stall(scheduler: Any, request: Any, heard: Heard, speculative: bool | None) -> None:
+    """The watchdog names the stall (one WARNING); ``speculative`` as
+    :func:`vllm_mamba_fix.rules.stall_look.speculative_zero` says (None: a cut only the
+    split floors to 0)."""
+    store, streak, now, end_after, window_end = heard
     streak.warned = True
     streak.named_at = now
     streak.window_end = window_end
@@ -226,16 +232,12 @@ def _end_note(scheduler: Any, proof: str | None, end_after: float) -> str:
     )
 
 
-def consider(
-    scheduler: Any,
-    request: Any,
-    store: ZeroStreaks,
-    streak: Streak,
-    now: float,
-    end_after: float,
-    window_end: int,
-) -> None:
-    """Another 0 of a named stall: order its end once the bound is past and it is proven."""
+def consider(scheduler: Any, request: Any, heard: Heard) -> None:
+    """Another 0 of a named stall: order its end once the bound is past and it is proven
+    (``heard.end_after`` set)."""
+    store, streak, now, end_after, window_end = heard
+    if end_after is None:
+        return
     streak.steps_named += 1
     streak.window_end = window_end
     # An unproven stall is looked at again once a second, not on every step.
@@ -267,61 +269,6 @@ def consider(
     order = EndOrder(rid, streak.position, request.num_computed_tokens, store, streak,
                      log_line, message)  # fmt: skip
     order_end(scheduler, order)
-
-
-def split_zero(scheduler: Any, request: Any, position: int) -> None:
-    """The split's final answer was 0 for a prefill request that had tokens to give: counted
-    as the encoder check's 0s are. Called by the split wrapper; never raises."""
-    try:
-        _hear_split_zero(scheduler, request, position)
-    except Exception:  # the watchdog must never break the split
-        return
-
-
-def split_moved(request_id: str) -> None:
-    """The split gave tokens to a request it had given 0: a stall there is over. Never raises."""
-    try:
-        streak = SPLIT_ZEROS.clear(request_id)
-        if streak is not None and streak.warned:
-            log_moving_again(request_id, streak.position)
-    except Exception:
-        return
-
-
-def _hear_split_zero(scheduler: Any, request: Any, position: int) -> None:
-    options = getattr(getattr(type(scheduler), ENCODER_METHOD, None), MARKER, None)
-    seconds = getattr(options, "stall_seconds", None)
-    if seconds is None:  # every request's stop is heard, in scope of a rule or not
-        return
-    now = clock()
-    rid = request.request_id
-    streak, moved = SPLIT_ZEROS.zero(rid, position, now)
-    if moved is not None and moved.warned:
-        log_moving_again(rid, moved.position)
-    if not streak.warned and not watchdog_due(streak, now, seconds):
-        return  # a budget wait, most likely: nothing to read yet
-    window_end = split_window_end(scheduler, request, position)
-    end_after = options.end_stalls_after
-    hear(scheduler, request, SPLIT_ZEROS, streak, now, seconds, end_after, window_end, None)
-
-
-def hear(
-    scheduler: Any,
-    request: Any,
-    store: ZeroStreaks,
-    streak: Streak,
-    now: float,
-    seconds: float,
-    end_after: float | None,
-    window_end: int,
-    speculative: bool | None,
-) -> None:
-    """Another 0 of ``streak``: name it once it is due, then consider ending it."""
-    if streak.warned:
-        if end_after is not None:
-            consider(scheduler, request, store, streak, now, end_after, window_end)
-    elif watchdog_due(streak, now, seconds):
-        name_stall(scheduler, request, store, streak, now, end_after, window_end, speculative)
 
 
 def log_moving_again(request_id: str, position: int) -> None:

@@ -91,7 +91,7 @@ RULES: tuple[RuleSpec, ...] = (
         ENV_MODE, ("speculative_stalls_released",), fixes=True,
     ),
     RuleSpec(
-        Rule.STALL_WATCHDOG, "stall_watch", ENCODER_METHOD, watchdog_verdict, ENV_STALL_SECONDS,
+        Rule.STALL_WATCHDOG, "stall_watch", UPDATE_METHOD, watchdog_verdict, ENV_STALL_SECONDS,
         ("stalls_detected", "stalls_resolved"), fixes=False,
     ),
     RuleSpec(
@@ -128,44 +128,40 @@ def _encoder_options(
     rules: frozenset[Rule], facts: Facts, scope: ScopePolicy
 ) -> EncoderOptions | None:
     # The split rule learns from this wrapper which chunks the check cut (encoder_cut.py):
-    # wrapped wherever it runs, carrying only that ear if no rule of its own.
-    if not rules & {Rule.SPLIT, Rule.SPECULATIVE_STALL, Rule.STALL_WATCHDOG, Rule.STALL_END}:
+    # wrapped wherever it runs, carrying only that ear if no rule of its own. The watchdog
+    # hears nothing here (it looks once per step from update_from_output).
+    if not rules & {Rule.SPLIT, Rule.SPECULATIVE_STALL}:
         return None
-    settings = facts.settings
-    return EncoderOptions(
-        scope,
-        release_speculative_stalls=Rule.SPECULATIVE_STALL in rules,
-        stall_seconds=settings.stall_seconds if Rule.STALL_WATCHDOG in rules else None,
-        end_stalls_after=settings.end_stalls_after if Rule.STALL_END in rules else None,
-    )
+    return EncoderOptions(scope, release_speculative_stalls=Rule.SPECULATIVE_STALL in rules)
 
 
 def _encoder_carried(options: EncoderOptions) -> frozenset[Rule]:
-    # Its end_stalls_after only orders ends; the update wrapper carries the rule out.
-    carried = {Rule.SPECULATIVE_STALL} if options.release_speculative_stalls else set()
-    if options.stall_seconds is not None:
-        carried.add(Rule.STALL_WATCHDOG)
-    return frozenset(carried)
+    return frozenset({Rule.SPECULATIVE_STALL} if options.release_speculative_stalls else ())
 
 
 def _update_options(rules: frozenset[Rule], facts: Facts, scope: ScopePolicy) -> EndOptions | None:
-    after = facts.settings.end_stalls_after
-    return EndOptions(after) if Rule.STALL_END in rules and after is not None else None
+    settings = facts.settings
+    seconds = settings.stall_seconds if Rule.STALL_WATCHDOG in rules else None
+    after = settings.end_stalls_after if Rule.STALL_END in rules else None
+    if seconds is None and after is None:
+        return None
+    return EndOptions(seconds, after)
 
 
 def _update_carried(options: EndOptions) -> frozenset[Rule]:
-    return frozenset({Rule.STALL_END})
+    carried = {Rule.STALL_WATCHDOG} if options.stall_seconds is not None else set()
+    return frozenset(
+        carried | ({Rule.STALL_END} if options.end_stalls_after is not None else set())
+    )
 
 
 METHODS: tuple[MethodSpec, ...] = (
     MethodSpec(SPLIT_METHOD, _split_options, make_wrapper, _split_carried),
     MethodSpec(ENCODER_METHOD, _encoder_options, make_encoder_wrapper, _encoder_carried),
-    # The watchdog in the encoder wrapper orders the ends this wrapper carries out.
-    MethodSpec(
-        UPDATE_METHOD, _update_options, make_update_from_output_wrapper, _update_carried,
-        needs=ENCODER_METHOD,
-    ),
-)  # fmt: skip
+    # The watchdog's per-step look and the stall end: the watchdog orders, at one step, the
+    # ends this wrapper carries out at the next.
+    MethodSpec(UPDATE_METHOD, _update_options, make_update_from_output_wrapper, _update_carried),
+)
 
 # The rule-carrying methods, in the order the log names them.
 RULE_METHODS: tuple[str, ...] = tuple(spec.name for spec in METHODS)

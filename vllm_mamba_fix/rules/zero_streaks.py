@@ -1,7 +1,8 @@
 """The stores of zero-token streaks: the watchdog's memory of who got 0 tokens, and since when.
 
-Two kinds of store count 0s per request: one per encoder-check wrapper (its 0s) and
-:data:`SPLIT_ZEROS`, for the split's final 0s of every scheduler in the process. A streak
+Two kinds of store count 0s per request: one per encoder-check wrapper (its 0s, for the
+speculative-stall rule's repeat) and one per scheduler the watchdog samples (the stops it
+counted, :mod:`vllm_mamba_fix.rules.stall_watch`). A streak
 is plain data (:class:`vllm_mamba_fix.decide.stalls.Streak`); when a 0 is a stall is
 decided there, from plain numbers. The stores are process state, so they live here, with
 the rules that fill them, and not in ``decide/``. Every store is known to
@@ -31,13 +32,15 @@ class ZeroStreaks:
         self._lock = threading.Lock()
         _all_stores.add(self)
 
-    def zero(self, request_id: str, position: int, now: float) -> tuple[Streak, Streak | None]:
-        """Count a 0 at ``position``; returns the streak and one it ended by moving."""
+    def zero(
+        self, request_id: str, position: int, now: float, steps: int = 1
+    ) -> tuple[Streak, Streak | None]:
+        """Count ``steps`` 0s at ``position``; returns the streak and one it ended by moving."""
         streak = self.by_request.get(request_id)
         if streak is not None and streak.position == position:
             # Another 0 where it stood (a request waiting for budget, every step): counted in
             # place; only the scheduler's thread counts a request's 0s.
-            streak.steps += 1
+            streak.steps += steps
             self.by_request.move_to_end(request_id)
             return streak, None
         with self._lock:
@@ -46,7 +49,7 @@ class ZeroStreaks:
             if streak is None or streak.position != position:
                 moved = streak
                 streak = Streak(position, 0, now)
-            streak.steps += 1
+            streak.steps += steps
             self.by_request[request_id] = streak
             if len(self.by_request) > self._capacity:
                 self.by_request.popitem(last=False)
@@ -59,9 +62,6 @@ class ZeroStreaks:
 
 
 _all_stores: weakref.WeakSet[ZeroStreaks] = weakref.WeakSet()
-
-# The split's final 0s, one store for every scheduler in the process.
-SPLIT_ZEROS = ZeroStreaks()
 
 
 def forget_request(request_id: str) -> None:

@@ -339,18 +339,19 @@ def _method_lines(
         if not through:
             continue
         rules = names_text([r.value for r in through])
+        rules += " does" if len(through) == 1 else " do"
         breaks = any(r in needed for r in through)
         found = check.record.method(method) if check.record else None
         overridden = entry["methods"][method]["overridden_by"]
         if found is not None and found.state is MethodState.OVERRIDDEN:
             text = f"{name} ({role}) overrides {method} in {overridden or found.owner}; "
-            text += f"{rules} do not reach it"
+            text += f"{rules} not reach it"
         elif (
             found is not None
             and found.state is MethodState.UNPATCHABLE
             and found.owner != BASE_SCHEDULER  # the base's own: the rule's problem says it
         ):
-            text = f"{name} ({role}): {found.describe()}; {rules} do not reach it"
+            text = f"{name} ({role}): {found.describe()}; {rules} not reach it"
         elif (
             found is not None
             and found.state.carries_rules

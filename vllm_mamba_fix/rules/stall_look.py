@@ -1,0 +1,229 @@
+"""The watchdog's look, once per step: which requests stopped, read from the step's
+``scheduler_output`` (part of the stall-watchdog rule, :mod:`vllm_mamba_fix.rules.stall_watch`).
+
+Its carrier is the ``update_from_output`` wrapper (:mod:`vllm_mamba_fix.rules.stall_end`),
+which calls the observer :func:`make_observer` builds; nothing of the watchdog runs inside the
+split or the encoder-input check; it imports not the rule's module, which the carrier hands it
+(:class:`Watching`). Per step: one read of ``stall_watch.clock`` and a compare.
+Once :data:`SAMPLE_SECONDS` passed since the scheduler's last sample (or at its first step),
+one sample (:func:`sample`): the streaks whose request moved end ("moves again" if named);
+then, if the step left at least the smallest chunk of its token budget unused
+(:func:`budget_left`: a 0 there is not a token-budget wait), each request that stopped in it
+(:func:`candidates`: running prefills not scheduled, and the waiting queue's head where the
+waiting loop ran) counts the steps since the last sample in its streak. A step that used its
+budget says nothing: no streak is counted or reset. Streaks live per scheduler, weakly
+(:class:`vllm_mamba_fix.rules.zero_streaks.ZeroStreaks`, which a request's free empties); a
+streak long enough goes to :func:`vllm_mamba_fix.rules.stall_watch.name_stall`, a named one
+to :func:`vllm_mamba_fix.rules.stall_watch.consider`. Reads the scheduler, imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from vllm_mamba_fix.decide.decision import in_prefill_by_position
+from vllm_mamba_fix.decide.stalls import Streak, watchdog_due
+from vllm_mamba_fix.facts.blocks import known_block_size, longest_chunk
+from vllm_mamba_fix.rules.encoder_facts import encoder_cut_shift, stalled_inputs
+from vllm_mamba_fix.rules.zero_streaks import ZeroStreaks
+
+# The least time between two samples of one scheduler.
+SAMPLE_SECONDS = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Watching:
+    """What a sample needs beyond the step: the rule's bounds and the rule itself."""
+
+    seconds: float  # of 0 tokens before a stall is named
+    end_after: float | None  # after the naming before an end is considered; None: off
+    # The rule's module, rules/stall_watch.py (its clock, name_stall, consider,
+    # split_window_end, log_moving_again), handed by the carrier and read at each use (tests
+    # patch them): not imported, so the chain of imports from the table stays within the limit.
+    rule: Any
+
+
+@dataclasses.dataclass
+class _Watch:
+    """One scheduler's watchdog: its streaks, and the steps and time since its last sample."""
+
+    store: ZeroStreaks
+    last: float = float("-inf")
+    steps: int = 0
+
+
+# Per scheduler, weakly: its watch (the streaks of the stops counted there).
+_watches: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
+Observer = Callable[[Any, Any], None]
+
+
+def make_observer(watching: Watching) -> Observer:
+    """The watchdog's per-step look, for the ``update_from_output`` wrapper to call with the
+    scheduler and the step's ``scheduler_output``: one clock read and a compare per step, and
+    a sample (one pass over the requests that can stop) once ``SAMPLE_SECONDS`` passed."""
+    rule = watching.rule
+
+    def observe(scheduler: Any, scheduler_output: Any) -> None:
+        watch = _watches.get(scheduler)
+        if watch is None:
+            watch = _watches[scheduler] = _Watch(ZeroStreaks())
+        watch.steps += 1
+        now = rule.clock()
+        if now - watch.last < SAMPLE_SECONDS:
+            return
+        steps, watch.steps, watch.last = watch.steps, 0, now
+        sample(scheduler, scheduler_output, watch.store, now, steps, watching)
+
+    return observe
+
+
+def sample(
+    scheduler: Any,
+    scheduler_output: Any,
+    store: ZeroStreaks,
+    now: float,
+    steps: int,
+    watching: Watching,
+) -> None:
+    """One look: the streaks that moved end; each request that stopped in a step that left
+    token budget unused counts ``steps`` 0s."""
+    _end_moved(scheduler, store, watching.rule)
+    if not budget_left(scheduler, scheduler_output):
+        return  # a step that used its budget says nothing of who waits for it
+    for request in candidates(scheduler, scheduler_output):
+        _count(scheduler, request, store, now, steps, watching)
+
+
+def _end_moved(scheduler: Any, store: ZeroStreaks, rule: Any) -> None:
+    """A streak whose request moved ends ("moves again" if named); a gone one is dropped."""
+    for rid, streak in list(store.by_request.items()):
+        request = scheduler.requests.get(rid)
+        if request is not None and not request.is_finished():
+            if start_of(scheduler, request) == streak.position:
+                continue
+            if streak.warned:
+                rule.log_moving_again(rid, streak.position)
+        store.clear(rid)
+
+
+def least_chunk(scheduler: Any) -> int:
+    """The smallest chunk the split gives a prefill that has budget: the Mamba block (the
+    configured one where unreadable), or the longest chunk it is asked if that is shorter."""
+    unit = 0
+    with contextlib.suppress(Exception):
+        unit = known_block_size(scheduler)
+    if unit <= 0:
+        unit = int(scheduler.cache_config.block_size)
+    longest = longest_chunk(scheduler)
+    return min(unit, longest) if longest else unit
+
+
+def budget_left(scheduler: Any, scheduler_output: Any) -> bool:
+    """Whether the step left at least the smallest chunk of its token budget unused."""
+    used = int(scheduler_output.total_num_scheduled_tokens)
+    return int(scheduler.max_num_scheduled_tokens) - used >= least_chunk(scheduler)
+
+
+def start_of(scheduler: Any, request: Any) -> int:
+    """Where the request's next chunk starts: its computed tokens, or, where it has none yet
+    (waiting), its local prefix-cache hit, read from the cache's coordinator as vLLM's
+    ``get_computed_blocks`` does, without that method's stats and events."""
+    computed = int(request.num_computed_tokens)
+    if computed:
+        return computed
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    if not getattr(manager, "enable_caching", False):
+        return 0
+    if getattr(request, "skip_reading_prefix_cache", False):
+        return 0
+    hit = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+    return int(hit[1])
+
+
+def _in_prefill(request: Any) -> bool:
+    computed = request.num_computed_tokens
+    return in_prefill_by_position(computed, request.num_prompt_tokens, request.num_tokens)
+
+
+def candidates(scheduler: Any, scheduler_output: Any) -> list[Any]:
+    """The requests that got 0 tokens in the step and could have had some: every running
+    prefill not scheduled, and the head of the waiting queue where its loop ran (a free
+    running slot, nothing preempted, not paused)."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    found = [
+        request
+        for request in scheduler.running
+        if request.request_id not in scheduled
+        and not request.is_finished()
+        and _in_prefill(request)
+    ]
+    if (
+        len(scheduler.running) < scheduler.max_num_running_reqs
+        and not getattr(scheduler_output, "preempted_req_ids", None)
+        and getattr(getattr(scheduler, "_pause_state", None), "name", "UNPAUSED") == "UNPAUSED"
+    ):
+        head = _waiting_head(scheduler)
+        if head is not None and head.request_id not in scheduled and _in_prefill(head):
+            found.append(head)
+    return found
+
+
+def _waiting_head(scheduler: Any) -> Any:
+    """The first unfinished request the waiting loop would take (waiting or preempted)."""
+    for request in scheduler.waiting:
+        if not request.is_finished() and request.status.name in _ADMITTED:
+            return request
+    return None
+
+
+_ADMITTED = ("WAITING", "PREEMPTED")
+
+
+def _count(
+    scheduler: Any,
+    request: Any,
+    store: ZeroStreaks,
+    now: float,
+    steps: int,
+    watching: Watching,
+) -> None:
+    """A stop of ``request``: its streak counts; named once due, then its end considered."""
+    seconds, end_after, rule = watching.seconds, watching.end_after, watching.rule
+    rid, position = request.request_id, start_of(scheduler, request)
+    streak, moved = store.zero(rid, position, now, steps)
+    if moved is not None and moved.warned:
+        rule.log_moving_again(rid, moved.position)
+    if not streak.warned and not watchdog_due(streak, now, seconds):
+        return
+    window_end = rule.split_window_end(scheduler, request, position)
+    heard = rule.Heard(store, streak, now, end_after, window_end)
+    if streak.warned:
+        rule.consider(scheduler, request, heard)
+        return
+    speculative = speculative_zero(scheduler, request, position, streak)
+    rule.name_stall(scheduler, request, heard, speculative)
+
+
+def speculative_zero(scheduler: Any, request: Any, position: int, streak: Streak) -> bool | None:
+    """What kind of 0 the request stands at, for its cause: True, the speculative stall (its
+    held inputs keep the shifted cut from passing the next one); False, the encoder check's
+    own 0 (it stands at an input it cannot schedule, the cut before it at or behind its
+    position); None, a cut past its position that only the split floors to 0."""
+    shift = encoder_cut_shift(scheduler)
+    if shift and stalled_inputs(scheduler, request, position, shift, streak)[0]:
+        return True
+    held = scheduler.encoder_cache_manager.get_cached_input_ids(request)
+    for i, feature in enumerate(request.mm_features or ()):
+        offset, length = feature.mm_position.offset, feature.mm_position.length
+        if i not in held and offset + length > position:
+            return False if offset - shift <= position else None
+    return None
+
+
+def forget_watches() -> None:
+    """Drop every scheduler's watch and its streaks (unregister(), tests)."""
+    _watches.clear()
