@@ -162,7 +162,8 @@ def _timed_schedule(scheduler: Any, sink: list[int]) -> None:
 
 def _count_calls(harness: Any, cls: type, stock: dict[str, Callable[..., Any]]) -> dict[str, int]:
     """Calls of both methods in one ``schedule()``: split calls and how many miss the split
-    wrapper's fast path; encoder calls and how many returned 0 (all the watchdog looks at)."""
+    wrapper's fast path; encoder calls and how many returned 0 (all the speculative-stall rule
+    looks at)."""
     from vllm_mamba_fix.decide.decision import can_need_correction
 
     split, encoder = stock[METHOD], stock[ENCODER_METHOD]
@@ -317,8 +318,8 @@ def _micro_cases(harness: Any) -> dict[str, MicroCase]:
             request("enc-prefill", 20 * b, 2 * b, image), 2 * b, 4 * b, budget, "fast"
         ),
         # encoder wrapper: 0 tokens (no encoder budget left, past the image start): the only
-        # result the speculative-stall rule and the watchdog look at
-        "encoder: returned 0 (watchdog looks)": encoder(
+        # result the speculative-stall rule looks at (the watchdog looks once per step)
+        "encoder: returned 0 (speculative-stall rule looks)": encoder(
             request("enc-zero", 20 * b, 3 * b + 110, image),
             3 * b + 110,
             2 * b,

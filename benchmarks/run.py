@@ -377,7 +377,7 @@ def _hot_rows(hot: dict[str, Any], row: Any) -> None:
         return f"{fmt(q['median'], 2)} [{fmt(q['p25'], 2)}-{fmt(q['p75'], 2)}]"
 
     row("1 hot path", "schedule() ms/step, one interleaved run, median [IQR]: stock; split only "
-        "(0.1.0-equivalent); split+encoder (now, watchdog on)",
+        "(0.1.0-equivalent); split+encoder (now)",
         f"stock {ms(per['stock'])}; split {ms(per['split'])}; split+encoder "
         f"{ms(per['split+encoder'])}; n={sched['steps']} steps each, "
         f"{sched['running_requests']} running, {calls['split']:.0f} split calls/step "
@@ -393,8 +393,8 @@ def _hot_rows(hot: dict[str, Any], row: Any) -> None:
         row("1 hot path", f"schedule() {what}, per-step ratio, median [IQR]", ratio(q),
             f"<= {TARGET_SCHEDULE_RATIO}", q["median"] <= TARGET_SCHEDULE_RATIO)  # fmt: skip
     q = ratios["split+encoder/split"]
-    row("1 hot path", "schedule() split+encoder / split only: what the encoder wrapper and "
-        "watchdog add, per-step ratio, median [IQR]", ratio(q),
+    row("1 hot path", "schedule() split+encoder / split only: what the encoder wrapper "
+        "adds, per-step ratio, median [IQR]", ratio(q),
         "1 inside the IQR (not measurable)", q["p25"] <= 1 <= q["p75"])  # fmt: skip
     row("1 hot path", "added us per call, from schedule() (paired per-step differences / calls "
         "per step), median [IQR]",

@@ -140,8 +140,13 @@ def start_of(scheduler: Any, request: Any) -> int:
         return 0
     if getattr(request, "skip_reading_prefix_cache", False):
         return 0
-    hit = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
-    return int(hit[1])
+    try:  # (blocks, hit tokens[, ...]) on every release 0.15-0.34
+        hit = manager.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        return int(hit[1])
+    except Exception:  # another shape: the request stands at 0, and the watchdog still looks
+        return 0
 
 
 def _in_prefill(request: Any) -> bool:
