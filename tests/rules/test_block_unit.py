@@ -126,14 +126,14 @@ def test_starved_the_configured_answer_stops_at_the_caches_boundary() -> None:
     assert not isinstance(scheduler.cache_config, CacheConfigView)
 
 
-def test_a_block_no_chunk_reaches_is_the_views_where_the_split_advances_sub_block() -> None:
-    """0.27+: vLLM's split advances sub-block through a block wider than its longest chunk, so
-    pinned stock moves; the view gives its chunks there too."""
+def test_starved_keeps_the_configured_block_where_the_split_advances_sub_block_too() -> None:
+    """0.27+: pinned stock would advance sub-block through the wide block, in chunks that can
+    take more steps than stock's right ones; the configured answer, stopped, is stock's."""
     scheduler = build(scheduler_class(), budget=300)
     setattr(scheduler, BLOCK_ATTR, 2048)
-    scheduler._mamba_block_aligned_split(request(0, prompt=5000), 300)
-    assert scheduler.seen == [2048]
-    assert isinstance(scheduler.cache_config, CacheConfigView)
+    assert scheduler._mamba_block_aligned_split(request(1900, prompt=5000), 300) == 148
+    assert scheduler.seen == [CONFIGURED]
+    assert not isinstance(scheduler.cache_config, CacheConfigView)
 
 
 def test_the_arguments_reach_vllm_untouched() -> None:

@@ -23,11 +23,12 @@ call. Per call it only counts, on the split's slow path (a chunk vLLM cut), a ch
 configured block would have ended elsewhere
 (:func:`vllm_mamba_fix.decide.decision.configured_floor_differs`).
 
-One case keeps the configured block: on 0.15-0.26, where the cache's block is longer than any
-chunk the split is ever asked for (``starved``), a split floored in it returns 0 for every
-chunk but a prompt's last, forever (pinned stock hangs there; 0.27+ advance sub-block, and the
-view gives pinned stock's chunks). There vLLM's configured answer, stopped at the next cache
-boundary (:func:`stop_at_cache_boundary`), is the chunk. No vLLM import.
+One case keeps the configured block: where the cache's block is longer than any chunk the
+split is ever asked for (``starved``), a split floored in it returns 0 for every chunk but a
+prompt's last on 0.15-0.26, forever (pinned stock hangs there), and advances sub-block on 0.27+
+(chunks that can take more steps than stock's right ones). There vLLM's configured answer,
+stopped at the next cache boundary (:func:`stop_at_cache_boundary`), is the chunk: stock's
+wherever stock's is right, never 0 where stock gives more. No vLLM import.
 """
 
 from __future__ import annotations

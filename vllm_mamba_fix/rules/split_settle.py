@@ -99,15 +99,11 @@ def settle_split(
     unit = BlockUnit(size or None, configured if isinstance(configured, int) else None)
     longest = longest_chunk(scheduler)
     configured_size = unit.configured or 0
-    # A split asked in a block no chunk reaches floors all but a prompt's last chunk to 0 on
-    # 0.15-0.26 (0.27+ advance sub-block: the view gives pinned stock's chunks there too);
-    # stock's configured answer, stopped at the cache's boundary, is right and never 0.
-    starved = (
-        not advances_sub_block
-        and unit.differs
-        and longest is not None
-        and configured_size <= longest < size
-    )
+    # Every release: a split asked in a block no chunk reaches floors all but a prompt's last
+    # chunk to 0 (0.15-0.26) or advances sub-block (0.27+); stock's configured answer,
+    # stopped at the cache's boundary, is right in both, never 0, and is stock's chunk
+    # wherever stock's is right (do no harm: the sub-block chunks of 0.27+ can take more steps).
+    starved = unit.differs and longest is not None and configured_size <= longest < size
     view = block_unit.view_for(scheduler, unit, block_rule, starved) if unit.differs else None
     installed = view is None or vars(scheduler).get(CACHE_CONFIG_ATTR) is view
     if not installed and not installation.replace_on(scheduler, CACHE_CONFIG_ATTR, view):
