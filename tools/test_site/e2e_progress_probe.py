@@ -84,9 +84,12 @@ def _record(sched, out, state: dict, path: str) -> None:
     state["last_write"] = now
     rec = {"pid": os.getpid(), "step": state["step"], "t": now, "reqs": reqs}
     if state["step"] == 1 or changed:
-        # The scheduler's view, for tests that check the layout they ran (e.g. block size under
-        # speculative decoding, which vLLM derives differently).
-        rec["block_size"] = int(sched.cache_config.block_size)
+        # The engine's configured block, for tests that check the layout they ran (e.g. block
+        # size under speculative decoding, which vLLM derives differently). Read from the
+        # engine's config: where the block-unit rule engaged, the scheduler's own cache_config
+        # is the plugin's view with the cache's block.
+        config = getattr(getattr(sched, "vllm_config", None), "cache_config", sched.cache_config)
+        rec["block_size"] = int(config.block_size)
         rec["use_eagle"] = bool(getattr(sched, "use_eagle", False))
     line = json.dumps(rec)
     with open(path, "a", encoding="utf-8") as fh:
