@@ -51,7 +51,6 @@ from vllm_mamba_fix.decide.decision import (
     Decision,
     can_need_correction,
     configured_floor_differs,
-    crosses_next_boundary,
     decide,
     in_prefill_by_output_tokens,
     in_prefill_by_position,
@@ -274,7 +273,7 @@ class SplitRule:
             if state.view is not None or state.starved:
                 answer = self._block_unit(call, start)
             if answer == call.asked:
-                if not crosses_next_boundary(start, answer, state.size):
+                if stays_in_block(start, answer, state.size):
                     return answer
             elif not answer and (call.asked <= 0 or not self.takes(call.request)):
                 return answer  # a 0 out of the split rule's reach: vLLM's (re-aligning never)
