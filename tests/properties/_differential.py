@@ -107,6 +107,9 @@ class Workload:
     prefix_match_unit: int | None = None
     checkpoint_alignment: int | None = None
     encoder_compute_tokens: int | None = None  # one step's encoder budget; None: vLLM's
+    # With `preempt`: a KV pool of about one and a half of the longest request, whatever its
+    # length (else at least 1024 tokens' worth, which small requests never fill).
+    small_pool: bool = False
 
     @property
     def requests(self) -> tuple[PropRequest, ...]:
@@ -126,7 +129,7 @@ class Workload:
             # About one and a half max_model_len requests: two long requests at once
             # preempt (one only leaves vLLM's own KV hangs, no room to finish either).
             longest = max(r.prompt_len + r.max_tokens for r in s.requests) + 16
-            max_len = max(longest, 1024, s.budget, s.threshold)
+            max_len = max(longest, 0 if self.small_pool else 1024, s.budget, s.threshold)
             changes["max_model_len"] = max_len
             changes["num_blocks"] = 3 * max_len // (2 * s.block_size) + 2
         if self.encoder_compute_tokens is not None:
@@ -143,6 +146,8 @@ class Workload:
             "saturated_encoder": self.saturated_encoder,
             "prefix_match_unit": self.prefix_match_unit,
             "checkpoint_alignment": self.checkpoint_alignment,
+            "encoder_compute_tokens": self.encoder_compute_tokens,
+            "small_pool": self.small_pool,
         }  # fmt: skip
 
     @classmethod
@@ -153,6 +158,8 @@ class Workload:
             priority=bool(d["priority"]), saturated_encoder=bool(d["saturated_encoder"]),
             prefix_match_unit=d["prefix_match_unit"],
             checkpoint_alignment=d["checkpoint_alignment"],
+            encoder_compute_tokens=d.get("encoder_compute_tokens"),
+            small_pool=bool(d.get("small_pool", False)),
         )  # fmt: skip
 
     def max_steps(self, mode: Mode) -> int:
