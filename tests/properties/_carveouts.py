@@ -17,6 +17,10 @@ counted in the run's figures (`carveout_<name>`) and described in docs/reliabili
   (a concurrent copy, a repeat): the input stays held while the request waits, and another
   request's input does not fit. 0.28 splits first and takes none. The counterfactual drops a
   waiting request's references after each step; the plugin does not (a proposal).
+- `eagle_last_cacheable` (0.15-0.26, MTP): the block-unit rule's re-align after a sub-block
+  chunk stock schedules from the last cacheable boundary under EAGLE, which 0.28 floors to 0
+  (`eagle_last_cacheable_realigns`); the run may exceed its bound by one step per such
+  re-align, alone or after a counterfactual above (`whole_block_tail+eagle_last_cacheable`).
 - `zero_that_clears`: stock completes with right chunks and the plugin, answering as 0.28
   (moving a request stock leaves at 0 for a step, or ending a chunk at an input as 0.28
   does), is slower than stock and no slower than 0.28: stock's 0 cleared because another
@@ -26,6 +30,7 @@ counted in the run's figures (`carveout_<name>`) and described in docs/reliabili
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,3 +130,28 @@ COUNTERFACTUALS = {WHOLE_BLOCK_TAIL: (whole_block_tail,),
                    WAITING_REFERENCE: (waiting_reference,),
                    f"{WHOLE_BLOCK_TAIL}+{WAITING_REFERENCE}": (whole_block_tail,
                                                                  waiting_reference)}  # fmt: skip
+
+
+EAGLE_LAST_CACHEABLE = "eagle_last_cacheable"
+
+
+def eagle_last_cacheable_realigns(w: Any, mine: Any, mode: Any, release: tuple[int, int]) -> int:
+    """The re-aligns of `eagle_last_cacheable`: under EAGLE-type speculation 0.15-0.26 back
+    the last cacheable position off a block (`last_cache_position - block_size`) and leave a
+    chunk starting there unfloored, so a budget's sub-block remainder is scheduled from that
+    boundary ([96, 101) in block 48 for a 153-token prompt); its next chunk then crosses the
+    next boundary from mid-block (vLLM #51113) and the block-unit rule re-aligns it, a step
+    0.28 (which floors that remainder to 0 and waits) does not take. Counted per request."""
+    if not mode.speculative or not (0, 15) <= release < (0, 27):
+        return 0
+    realigned = {(rid, step) for step, rid, action in mine.corrections if action == "realigned"}
+    b, count = mine.block, 0
+    for rid, chunks in mine.chunks.items():
+        prompt = mine.prompt_len[rid]
+        last = max(prompt - prompt % b - b, 0)
+        for (_, s0, e0), (step, s1, _) in itertools.pairwise(chunks):
+            if s0 % b == 0 and s0 >= last and e0 - s0 < b and s1 == e0 and e0 < prompt and (
+                (rid, step) in realigned
+            ):  # fmt: skip
+                count += 1
+    return count

@@ -573,3 +573,34 @@ def test_a_waiting_reference_is_a_counted_carve_out(diff_mode: Mode) -> None:
     assert proposed.steps <= bound[1], (proposed.steps, bound)
     over = {k for k in figures if k.startswith("carveout_")}
     assert over <= {f"carveout_{_carveouts.WAITING_REFERENCE}"}, figures
+
+
+# Found by test_inputs_at_block_boundaries in CI's first workload on 0.15.1 (sync), the shape
+# of issue 44's uninvestigated 0.25.1 workload: stock 10 steps, 0.28.0 13, the plugin 14. The
+# encoder stop ends b0's and b1's chunks at their images from whole blocks (127 for stock's
+# 96; 65, 161 and 257), each followed by a re-aligned chunk (`whole_block_tail`: 13 steps
+# with the whole blocks kept); and b1-again, a copy sent with b1, is moved from the 0 stock
+# leaves it at, as 0.28 moves it, so it computes all 324 tokens beside b1 where stock's waits
+# for b1 to finish and hits 320 of them (`zero_that_clears`).
+COPY_BESIDE_ITS_ORIGINAL = Workload(
+    PropScenario(
+        block_size=32, budget=128, encoder_cache=69, threshold=0,
+        requests=(
+            PropRequest("b0", 185, ((1, 69), (127, 32)), content="b0", arrival=2, max_tokens=3),
+            PropRequest("b1", 324, ((65, 67), (161, 61), (257, 21)), content="b1", arrival=2,
+                        max_tokens=2),
+            PropRequest("b0-again", 185, ((1, 69), (127, 32)), content="b0", after="b0",
+                        max_tokens=3),
+            PropRequest("b1-again", 324, ((65, 67), (161, 61), (257, 21)), content="b1",
+                        arrival=2, max_tokens=2),
+        ),
+    )
+)  # fmt: skip
+
+
+def test_a_copy_beside_its_original_is_within_the_bound_or_counted(diff_mode: Mode) -> None:
+    _sync_only(diff_mode)
+    figures = check(COPY_BESIDE_ITS_ORIGINAL, diff_mode)
+    over = {k.removeprefix("carveout_") for k in figures if k.startswith("carveout_")}
+    names = {n for o in over for n in o.split("+")}
+    assert names <= {_carveouts.WHOLE_BLOCK_TAIL, _carveouts.ZERO_THAT_CLEARS}, figures
