@@ -348,3 +348,39 @@ def boundary(draw: st.DrawFn, mode: Mode) -> Workload:
 
 def _costs(r: PropRequest) -> list[int]:
     return [n for _, n in r.images] + [encoder_cost(v) for v in r.videos]
+
+
+@st.composite
+def tight(draw: st.DrawFn, mode: Mode) -> Workload:
+    """Issue 44 item 4: small blocks (16-64) against images and budgets of about their size
+    (27-70 tokens, often k blocks and one token, so that one token is left over), an encoder
+    cache for one or two images, 2-6 requests at once, a KV pool that preempts, and repeats
+    once their original finished (the prefix hits after a correction). Where a whole block
+    and an encoder stop are both answers, and a chunk cut at an image may end mid-block."""
+    gap = min_image_gap_for(mode, vllm_version())
+    block = draw(st.sampled_from([16, 16, 32, 48, 64]))
+    budget = draw(st.one_of(
+        st.integers(27, 70),
+        st.sampled_from([k * block + 1 for k in (1, 2, 3, 4) if 27 <= k * block + 1 <= 70]
+                        or [block + 1]),
+    ))  # fmt: skip
+    budget = max(budget, _floor(block))
+    size = draw(st.integers(12, 48))  # images of about one size, so the cache holds 1 or 2
+    requests = []
+    for i in range(draw(st.integers(2, 6))):
+        k = draw(st.integers(1, 3))
+        inputs = [(draw(st.integers(max(8, size * 2 // 3), size)), False) for _ in range(k)]
+        runs = [draw(st.integers(0, 40))] + [
+            draw(st.one_of(st.sampled_from([g for g in (0, 1, 2) if g >= gap] or [gap]),
+                           st.integers(gap, gap + 2 * block))) for _ in range(k - 1)
+        ] + [draw(st.integers(1, 40))]  # fmt: skip
+        requests.append(_request(f"t{i}", f"t{i}", runs, inputs, draw,
+                                 arrival=draw(st.sampled_from([0, 0, 1, 2, 3])),
+                                 max_tokens=draw(st.integers(1, 3))))  # fmt: skip
+    requests = _with_repeats(draw, requests)
+    largest = max(n for r in requests for n in _costs(r))
+    cache = draw(st.integers(1, 2)) * largest + draw(st.integers(0, max(0, largest // 2)))
+    s = PropScenario(block, budget, cache, 0, tuple(requests))
+    preempt = draw(st.integers(0, 2)) == 0
+    return Workload(s, preempt=preempt, small_pool=preempt,
+                    saturated_encoder=draw(st.integers(0, 3)) == 0)  # fmt: skip

@@ -94,3 +94,9 @@ def test_crowd_sharing_an_encoder_cache(diff_mode: Mode, data: st.DataObject) ->
 @given(data=st.data())
 def test_inputs_at_block_boundaries(diff_mode: Mode, data: st.DataObject) -> None:
     _run(diff_mode, data, wl.boundary, "boundary")
+
+
+@sized(ci_examples=1)  # about 10 s a workload and mode: 5-6 requests, three runs each
+@given(data=st.data())
+def test_tight_blocks_budgets_and_caches(diff_mode: Mode, data: st.DataObject) -> None:
+    _run(diff_mode, data, wl.tight, "tight")

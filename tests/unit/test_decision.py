@@ -14,6 +14,7 @@ from vllm_mamba_fix.decide.decision import (
     decide,
     in_prefill_by_output_tokens,
     in_prefill_by_position,
+    tail_frees_room,
     tokens_to_next_boundary,
 )
 
@@ -152,3 +153,48 @@ def test_invariants_hold_for_realistic_sizes(
     block: int, start: int, n: int, stock_fraction: float, in_prefill: bool, uncut: int | None
 ) -> None:
     _check(int(n * stock_fraction), n, start, block, in_prefill, uncut)
+
+
+# Issue 44 item 4: the encoder stop past a whole-block answer (tests/properties/test_regressions.py,
+# WHOLE_BLOCK_KEPT_BEFORE_ANOTHERS_IMAGE and SELF_HELD_TAIL for the real scheduler).
+
+
+def test_a_whole_block_is_kept_where_the_tail_frees_nothing_the_cut_input_needs() -> None:
+    # Block 16, a 41-token chunk cut at an image at 17: stock floors to [0, 16).
+    assert decide(16, 17, 0, 16, True, 32, tail_frees=False) == Decision(16, Action.UNCHANGED)
+    # Unknown (the wrapper as it is) and a tail that frees the room: 0.28's [0, 17).
+    for tail in (None, True):
+        decision = decide(16, 17, 0, 16, True, 32, tail_frees=tail)
+        assert decision == Decision(17, Action.STOPPED_AT_ENCODER_INPUT)
+
+
+def test_a_stop_on_a_boundary_or_after_a_zero_is_kept_whatever_the_tail() -> None:
+    # The cut on a boundary: whole blocks either way, the longer chunk is kept.
+    assert decide(16, 32, 0, 16, True, 48, tail_frees=False).num_tokens == 32
+    # Stock's 0: the collapse is prevented as before (a 0 may never clear).
+    assert decide(0, 1, 16, 16, True, 32, tail_frees=False).num_tokens == 1
+    # A mid-block start: stock's answer ends on the boundary and the limit is that boundary.
+    assert decide(15, 15, 17, 16, True, 31, tail_frees=False).num_tokens == 15
+
+
+def test_tail_frees_room() -> None:
+    assert tail_frees_room(need=20, room=10, own_in_tail=20)  # issue 2: its own image holds it
+    assert not tail_frees_room(need=20, room=25, own_in_tail=20)  # fits now: the step's budget
+    assert not tail_frees_room(need=33, room=-13, own_in_tail=29)  # another request holds it
+    assert not tail_frees_room(need=20, room=10, own_in_tail=0)  # nothing of its own in the tail
+
+
+def test_exhaustive_small_grid_with_the_tail_known() -> None:
+    for block, start, n in itertools.product(range(1, 7), range(0, 14), range(0, 14)):
+        for stock, uncut, tail in itertools.product(
+            range(0, n + 1), range(0, n + 2 * block), (True, False)
+        ):
+            tokens, action = decide(stock, n, start, block, True, uncut, tail_frees=tail)
+            base = decide(stock, n, start, block, True, uncut)
+            kept = (
+                not tail and stock > 0 and (start + stock) % block == 0
+                and base.action is Action.STOPPED_AT_ENCODER_INPUT
+                and (start + base.num_tokens) % block != 0
+            )  # fmt: skip
+            assert (tokens, action) == ((stock, Action.UNCHANGED) if kept else base)
+            assert tokens > 0 or n == 0  # never hang

@@ -60,6 +60,7 @@ def decide(
     block_size: int,
     in_prefill: bool,
     uncut_stock_tokens: int | None = None,
+    tail_frees: bool | None = None,
 ) -> Decision:
     """Correct the stock result of ``_mamba_block_aligned_split``.
 
@@ -74,7 +75,12 @@ def decide(
     - Re-align: a prefill chunk starting mid-block ends at or before the next
       boundary, so the block there is cached with the state that belongs to it.
     - Encoder stop: a chunk cut at an encoder input ends at that input, as it
-      does upstream, where the split runs before encoder budgeting.
+      does upstream, where the split runs before encoder budgeting. Not past a
+      whole-block answer to a mid-block cut when ``tail_frees`` is False (the tail
+      frees none of the room the input at the cut waits for, :func:`tail_frees_room`):
+      that input waits on another request or the step's encoder budget, which may
+      clear by the next step, and a chunk ended mid-block costs a re-aligned chunk
+      then (issue 44 item 4). ``None`` (not known): the encoder stop, as 0.28.
     """
     if not in_prefill or num_new_tokens <= 0 or block_size <= 0 or stock_tokens < 0:
         return Decision(stock_tokens, Action.UNCHANGED)
@@ -88,9 +94,28 @@ def decide(
         return Decision(tokens, Action.COLLAPSE_PREVENTED)
     if mid_block and stock_tokens > room:
         return Decision(room, Action.REALIGNED)
-    if upstream > stock_tokens:
+    if upstream > stock_tokens and not (
+        tail_frees is False
+        and (start + stock_tokens) % block_size == 0
+        and (start + upstream) % block_size != 0
+    ):
         return Decision(upstream, Action.STOPPED_AT_ENCODER_INPUT)
     return Decision(stock_tokens, Action.UNCHANGED)
+
+
+def tail_frees_room(need: int, room: int, own_in_tail: int) -> bool:
+    """Whether computing a cut chunk's tail (past the split's whole-block answer, up to the
+    encoder input at the cut) frees the encoder-cache room that input waits for.
+
+    ``need``: the input's encoder tokens; ``room``: the cache's slots left to it once every
+    input another request references and every input of its own stays (free and freeable
+    slots alike); ``own_in_tail``: the slots of its own inputs that end inside the tail,
+    freed once it is computed. True only where the input does not fit now and fits once the
+    tail's inputs are freed: the request waits on itself (issue 2's two images in a block),
+    and only the encoder stop moves it. Else the input fits already (the step's encoder
+    budget kept it out, spent anew next step) or waits on another request either way.
+    """
+    return room < need <= room + own_in_tail
 
 
 def can_need_correction(
