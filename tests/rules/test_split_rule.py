@@ -150,7 +150,7 @@ def test_the_whole_chunk_fast_path_is_exactly_where_decide_changes_nothing() -> 
             for asked in range(1, 3 * size + 1):
                 fast = stays_in_block(start, asked, size)
                 for uncut in (None, *range(3 * size + 2)):
-                    action = decide(asked, asked, start, size, True, uncut).action
+                    action = decide(asked, asked, start, size, uncut).action
                     assert fast == (action is Action.UNCHANGED), (size, start, asked, uncut)
 
 

@@ -48,7 +48,7 @@ def run_prefill(
         if cut is not None:
             reach = n + tokens_to_next_boundary(start + n, unit)
             uncut = stock_split(family, start, min(reach, prompt - start), configured, prompt)
-        tokens = decide(stock, n, start, unit, True, uncut).num_tokens
+        tokens = decide(stock, n, start, unit, uncut).num_tokens
         assert 0 < tokens <= n, (start, n, stock, tokens)
         chunks.append((start, start + tokens))
         start += tokens

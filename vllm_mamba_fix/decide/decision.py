@@ -58,11 +58,12 @@ def decide(
     num_new_tokens: int,
     start: int,
     block_size: int,
-    in_prefill: bool,
     uncut_stock_tokens: int | None = None,
     tail_frees: bool | None = None,
 ) -> Decision:
     """Correct the stock result of ``_mamba_block_aligned_split``.
+
+    Only for a prefill chunk: the caller asks it in prefill (as each release defines it).
 
     ``stock_tokens`` is what vLLM's method returned for a chunk of at most
     ``num_new_tokens`` tokens starting at ``start`` (computed tokens so far).
@@ -82,7 +83,7 @@ def decide(
       clear by the next step, and a chunk ended mid-block costs a re-aligned chunk
       then (issue 44 item 4). ``None`` (not known): the encoder stop, as 0.28.
     """
-    if not in_prefill or num_new_tokens <= 0 or block_size <= 0 or stock_tokens < 0:
+    if num_new_tokens <= 0 or block_size <= 0 or stock_tokens < 0:
         return Decision(stock_tokens, Action.UNCHANGED)
     room = tokens_to_next_boundary(start, block_size)
     mid_block = start % block_size != 0

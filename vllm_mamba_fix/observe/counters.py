@@ -32,7 +32,7 @@ def report_to(sink: Sink | None) -> None:
     """Send every count to ``sink`` as well (plugin.py hands it metrics.py)."""
     global metrics
     with _lock:
-        _unsent.clear()  # counted for the sink in place, which unregister() has taken down
+        unsent.clear()  # counted for the sink in place, which unregister() has taken down
         metrics = sink
 
 
@@ -71,10 +71,11 @@ _standing: dict[str, float] = {}
 wall_clock = time.time  # tests put their own here
 # The process that registered the summary; a forked child registers its own.
 _summary_pid: int | None = None
-# Corrections counted and not yet sent to metrics (send_counts), and the process whose timer
-# will send them (None: no timer pending) and whose exit sends the rest.
+# Corrections counted and not yet sent to metrics (send_counts; the update_from_output wrapper
+# sends them at the end of the step that counted them), and the process whose timer will send
+# them (None: no timer pending) and whose exit sends the rest.
 SEND_SECONDS = 1.0
-_unsent: dict[str, int] = {}
+unsent: dict[str, int] = {}
 _sender_pid: int | None = None
 _finalizer_pid: int | None = None
 
@@ -89,7 +90,7 @@ def reset() -> None:
     with _lock:
         for key in _counts:
             _counts[key] = 0
-        _unsent.clear()
+        unsent.clear()
         _logged_requests.clear()
         _standing.clear()
 
@@ -109,7 +110,7 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
     with _lock:
         _counts[key] += 1
         if metrics is not None:
-            _unsent[key] = _unsent.get(key, 0) + 1
+            unsent[key] = unsent.get(key, 0) + 1
             if _sender_pid != os.getpid():
                 _send_soon()
         first = action not in _QUIET and request_id not in _logged_requests
@@ -158,13 +159,13 @@ def send_counts() -> None:
     and tests that read metrics at once). Never raises."""
     global _sender_pid
     with _lock:
-        unsent = dict(_unsent)
-        _unsent.clear()
+        sending = dict(unsent)
+        unsent.clear()
         _sender_pid = None
     sink = metrics
     if sink is None:
         return
-    for key, amount in unsent.items():
+    for key, amount in sending.items():
         try:
             sink.count(key, amount)
         except Exception:  # the sink says its own failures; a count never breaks vLLM
