@@ -7,11 +7,11 @@ plugin run with that mechanism answered as proposed completes within the bound. 
 counted in the run's figures (`carveout_<name>`) and described in docs/reliability.md
 ("Steps against stock and 0.28"). A run no counterfactual brings within its bound fails.
 
-- (fixed, no longer a carve-out) `whole_block_tail`: the split rule's encoder stop replaced a
-  whole-block answer by a chunk ending mid-block, at an input that waits on another request
-  (or on the step's encoder budget), so the next chunk was a re-aligned one. The split rule now
-  keeps the whole block where computing the tail frees nothing that input needs
-  (`decision.tail_frees_room`, read by `split_rule._cut_input_room`).
+- `whole_block_tail`: the split rule's encoder stop replaced a whole-block answer by a chunk
+  ending mid-block, at an input that waits on another request (or on the step's encoder
+  budget): the next chunk is a re-aligned one. `decision.decide(..., tail_frees=False)` keeps
+  the whole block; the split wrapper does not pass `tail_frees` yet (a proposal to its owner),
+  so the counterfactual passes it here, as the proposal would.
 - `waiting_reference`: through 0.27 the encoder check runs before the split, also for a
   waiting request whose chunk then is 0, and takes a reference on a cached input it shares
   (a concurrent copy, a repeat): the input stays held while the request waits, and another
@@ -20,7 +20,7 @@ counted in the run's figures (`carveout_<name>`) and described in docs/reliabili
 - `eagle_last_cacheable` (0.15-0.26, MTP): the block-unit rule's re-align after a sub-block
   chunk stock schedules from the last cacheable boundary under EAGLE, which 0.28 floors to 0
   (`eagle_last_cacheable_realigns`); the run may exceed its bound by one step per such
-  re-align, alone or after a counterfactual above (`waiting_reference+eagle_last_cacheable`).
+  re-align, alone or after a counterfactual above (`whole_block_tail+eagle_last_cacheable`).
 - `zero_that_clears`: stock completes with right chunks and the plugin, answering as 0.28
   (moving a request stock leaves at 0 for a step, or ending a chunk at an input as 0.28
   does), is slower than stock and no slower than 0.28: stock's 0 cleared because another
@@ -35,13 +35,71 @@ from collections.abc import Iterator
 from typing import Any
 
 from tools import sched_harness as harness
+from vllm_mamba_fix.decide import decision
+from vllm_mamba_fix.rules import split_rule
 
+WHOLE_BLOCK_TAIL = "whole_block_tail"
 WAITING_REFERENCE = "waiting_reference"
 ZERO_THAT_CLEARS = "zero_that_clears"
 
 
 def _features(request: Any) -> list[Any]:
     return list(getattr(request, "mm_features", None) or [])
+
+
+def tail_frees_of(scheduler: Any, request: Any, start: int, cut: int, answer: int) -> bool:
+    """`decision.tail_frees_room` with the numbers of the real scheduler: the input at
+    `start + cut`, the cache's room left to it, the slots of the request's own inputs ending
+    in `(start + answer, start + cut]`."""
+    feats = _features(request)
+    spans = [(f.mm_position.offset, f.mm_position.length) for f in feats]
+    at = start + cut
+    nxt = sorted((o, i) for i, (o, _) in enumerate(spans) if o >= at)
+    if not nxt:
+        return True
+    need = request.get_num_encoder_embeds(nxt[0][1])
+    ecm = scheduler.encoder_cache_manager
+    cached = getattr(ecm, "cached", {})
+    rid = request.request_id
+    own = [i for i, (o, n) in enumerate(spans)
+           if rid in cached.get(feats[i].identifier, ()) or (o < at and o + n > start)]  # fmt: skip
+    own_ids = {feats[i].identifier for i in own}
+    sizes = {f.identifier: r.get_num_encoder_embeds(i)
+             for r in scheduler.requests.values() for i, f in enumerate(_features(r))}  # fmt: skip
+    others = sum(sizes.get(h, 0) for h, refs in cached.items() if h not in own_ids and refs - {rid})
+    held = sum(request.get_num_encoder_embeds(i) for i in own)
+    in_tail = sum(request.get_num_encoder_embeds(i) for i in own
+                  if start + answer < spans[i][0] + spans[i][1] <= at)  # fmt: skip
+    return decision.tail_frees_room(need, ecm.cache_size - others - held, in_tail)
+
+
+@contextlib.contextmanager
+def whole_block_tail() -> Iterator[None]:
+    """The split rule as proposed: `decide` told `tail_frees` at every encoder cut."""
+    correct, decide = split_rule.SplitRule.correct, split_rule.decide
+    current: list[Any] = []  # the call being corrected
+
+    def correcting(self: Any, call: Any, start: int) -> int:
+        current.append((call, start))
+        try:
+            return correct(self, call, start)
+        finally:
+            current.pop()
+
+    def deciding(stock: int, n: int, start: int, block: int, uncut: int | None = None,
+                 tail_frees: bool | None = None) -> decision.Decision:  # fmt: skip
+        if uncut is not None and current and current[-1][1] == start:
+            call = current[-1][0]
+            tail_frees = tail_frees_of(call.scheduler, call.request, start, n, stock)
+        return decide(stock, n, start, block, uncut, tail_frees=tail_frees)
+
+    split_rule.SplitRule.correct = correcting  # type: ignore[method-assign]
+    split_rule.decide = deciding  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        split_rule.SplitRule.correct = correct  # type: ignore[method-assign]
+        split_rule.decide = decide  # type: ignore[assignment]
 
 
 def release_waiting_references(scheduler: Any) -> None:
@@ -71,7 +129,10 @@ def waiting_reference() -> Iterator[None]:
         harness.Harness.advance = advance  # type: ignore[method-assign]
 
 
-COUNTERFACTUALS = {WAITING_REFERENCE: (waiting_reference,)}
+COUNTERFACTUALS = {WHOLE_BLOCK_TAIL: (whole_block_tail,),
+                   WAITING_REFERENCE: (waiting_reference,),
+                   f"{WHOLE_BLOCK_TAIL}+{WAITING_REFERENCE}": (whole_block_tail,
+                                                                 waiting_reference)}  # fmt: skip
 
 
 EAGLE_LAST_CACHEABLE = "eagle_last_cacheable"

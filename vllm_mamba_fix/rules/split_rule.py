@@ -54,7 +54,6 @@ from vllm_mamba_fix.decide.decision import (
     decide,
     in_prefill_by_output_tokens,
     in_prefill_by_position,
-    tail_frees_room,
 )
 from vllm_mamba_fix.decide.scope import ScopePolicy, builtin_scope
 from vllm_mamba_fix.facts.blocks import SPLIT_ATTR, SplitState
@@ -333,8 +332,7 @@ class SplitRule:
                 if wait:
                     return answer
                 ruled_out = ruled_out or uncut is None
-        tail_frees = self._tail_frees(call, start, uncut)
-        decision = decide(answer, asked, start, state.size, uncut, tail_frees=tail_frees)
+        decision = decide(answer, asked, start, state.size, uncut)
         return self._apply(call, start, decision, ruled_out)
 
     def _apply(self, call: SplitCall, start: int, decision: Decision, ruled_out: bool) -> int:
@@ -355,20 +353,6 @@ class SplitRule:
         if self.by_position:
             return in_prefill_by_position(start, request.num_prompt_tokens, request.num_tokens)
         return in_prefill_by_output_tokens(request.num_output_tokens)
-
-    def _tail_frees(self, call: SplitCall, start: int, uncut: int | None) -> bool | None:
-        """Where vLLM's answer ends on a block boundary short of an encoder cut: whether
-        computing the tail up to the cut frees the encoder-cache room the input at the cut
-        waits for (:func:`~vllm_mamba_fix.decide.decision.tail_frees_room`, with the
-        scheduler's numbers). None elsewhere, or where they cannot be read: 0.28's stop."""
-        answer = call.answer
-        if uncut is None or not 0 < answer < call.asked or (start + answer) % call.state.size:
-            return None
-        try:
-            numbers = _cut_input_room(call, start)
-        except Exception:  # a request or cache of another shape: 0.28's encoder stop
-            return None
-        return None if numbers is None else tail_frees_room(*numbers)
 
     def _uncut_answer(self, call: SplitCall, start: int) -> int | None:
         """Where the encoder check cut exactly this chunk: vLLM's split of the chunk the check
@@ -395,45 +379,3 @@ def _scope_test(scope: Any) -> Callable[[Any], bool]:
     if builtin is Scope.ALL:
         return lambda request: True
     return scope.in_scope
-
-
-def _cut_input_room(call: SplitCall, start: int) -> tuple[int, int, int] | None:
-    """For :func:`~vllm_mamba_fix.decide.decision.tail_frees_room`: the encoder tokens of the
-    request's input at the cut, the cache's room left to it (every input another request
-    references, and every one of its own it holds or computes, stays), and the slots of its own
-    inputs the tail frees. None: no input at the cut."""
-    scheduler, request, cut = call.scheduler, call.request, start + call.asked
-    features = request.mm_features
-    spans = [(f.mm_position.offset, f.mm_position.length) for f in features]
-    at_cut = [i for i, (offset, _) in enumerate(spans) if offset >= cut]
-    if not at_cut:
-        return None
-    need = request.get_num_encoder_embeds(min(at_cut, key=lambda i: spans[i][0]))
-    manager, rid = scheduler.encoder_cache_manager, request.request_id
-    cached: dict[Any, set[str]] = manager.cached  # input hash -> the requests holding it
-    own = [  # the inputs it holds, and those the chunk up to the cut computes
-        i
-        for i, (offset, length) in enumerate(spans)
-        if rid in cached.get(features[i].identifier, ())
-        or (offset < cut and offset + length > start)
-    ]
-    own_ids = {features[i].identifier for i in own}
-    sizes = {
-        f.identifier: other.get_num_encoder_embeds(i)
-        for other in scheduler.requests.values()
-        for i, f in enumerate(other.mm_features)
-    }
-    others = sum(
-        sizes.get(h, 0) for h, holders in cached.items() if h not in own_ids and holders - {rid}
-    )
-    held = sum(request.get_num_encoder_embeds(i) for i in own)
-    # vLLM frees an input its look-ahead past its end (0.24-0.32 under EAGLE), as the encoder
-    # check cuts: encoder_facts.encoder_cut_shift, read here in place.
-    lookahead = getattr(scheduler, "num_prefill_lookahead", None)
-    shift = int(lookahead) if lookahead is not None else int(bool(scheduler.use_eagle))
-    end_of_answer = start + call.answer
-    in_tail = sum(
-        request.get_num_encoder_embeds(i) for i in own
-        if end_of_answer < spans[i][0] + spans[i][1] <= cut - shift
-    )  # fmt: skip
-    return need, manager.cache_size - others - held, in_tail
