@@ -16,10 +16,9 @@ When it applies: a scheduler whose Mamba KV cache stores another block than
 ``cache_config`` whose ``block_size`` is the cache's block (:func:`view_for`), through the
 record of changes (``unregister()`` puts the scheduler's own back). In every release read
 (0.15-0.34) the split is the only reader of ``self.cache_config.block_size`` in the
-scheduler, so every split call then
-floors in the cache's block by itself: the chunk is the one vLLM schedules with
-``--block-size`` pinned to it, at the cost of any call, with no per-call swap and no second
-call. Per call it only counts, on the split's slow path (a chunk vLLM cut), a chunk the
+scheduler, so every split call then floors in the cache's block by itself: the chunk is the
+one vLLM schedules with ``--block-size`` pinned to it, at the cost of any call, with no
+per-call swap and no second call. Per call it only counts, on the split's slow path (a chunk vLLM cut), a chunk the
 configured block would have ended elsewhere
 (:func:`vllm_mamba_fix.decide.decision.configured_floor_differs`).
 
