@@ -18,8 +18,8 @@ record of changes (``unregister()`` puts the scheduler's own back). In every rel
 (0.15-0.34) the split is the only reader of ``self.cache_config.block_size`` in the
 scheduler, so every split call then floors in the cache's block by itself: the chunk is the
 one vLLM schedules with ``--block-size`` pinned to it, at the cost of any call, with no
-per-call swap and no second call. Per call it only counts, on the split's slow path (a chunk vLLM cut), a chunk the
-configured block would have ended elsewhere
+per-call swap and no second call. Per call it only counts, on the split's slow path (a chunk
+vLLM cut), a chunk the configured block would have ended elsewhere
 (:func:`vllm_mamba_fix.decide.decision.configured_floor_differs`).
 
 One case keeps the configured block: where the cache's block is longer than any chunk the

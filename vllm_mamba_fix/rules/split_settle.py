@@ -6,10 +6,10 @@ size after the scheduler is built. :func:`settle` then decides, for this schedul
 options of the wrapper asking, whether the block-unit rule engages (the scheduler gets a
 ``cache_config`` view with the cache's block, :mod:`vllm_mamba_fix.rules.block_unit`) and
 whether any rule can act at all: where none can, the state is ``quiet`` and a call returns
-vLLM's answer after one attribute read. The state is kept on the scheduler under :data:`SPLIT_ATTR`, an attribute only the
-plugin sets, through the installation's record (:mod:`vllm_mamba_fix.changes`), so that
-``unregister()`` deletes it; the split wrapper reads it under that literal name on its hot
-path.
+vLLM's answer after one attribute read. The state is kept on the scheduler under
+:data:`SPLIT_ATTR`, an attribute only the plugin sets, through the installation's record
+(:mod:`vllm_mamba_fix.changes`), so that ``unregister()`` deletes it; the split wrapper reads
+it under that literal name on its hot path.
 """
 
 from __future__ import annotations
