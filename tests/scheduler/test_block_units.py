@@ -159,13 +159,18 @@ def test_the_switch_leaves_vllms_split_to_the_configured_block(
     assert len(warned) == (1 if wrapped else 0), vllm_log
 
 
-def test_an_aborted_stalled_request_leaves_no_streak(family: Family, load_plugin) -> None:
-    """An image larger than the encoder cache gets 0 on every step; aborting it ends its state."""
+def test_an_aborted_stalled_request_leaves_no_streak(
+    family: Family, load_plugin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image larger than the encoder cache gets 0 on every step; aborting it ends its state.
+    The watchdog looks once a second of its clock, which moves 5 s a reading here."""
     from vllm.v1.request import RequestStatus
 
+    from tests.stall_end_helpers import install_clock
     from vllm_mamba_fix.rules.zero_streaks import tracked_requests
 
     _affected(family)
+    install_clock(monkeypatch, per_call=5.0)
     load_plugin()  # 0.28+: only the block-unit rule wraps the split
     run = harness.Harness(DEMO)
     run.add(RequestSpec("too-large", 600, ((1, 400),), max_tokens=2))

@@ -341,7 +341,11 @@ def _log_record(result: ClassRecord, installed: _Installed) -> None:
             event="not-needed", scheduler_class=cls, vllm_version=installed.version,
         )  # fmt: skip
         return
-    wrapped = [m for m in result.methods if m.state.carries_rules and m.rules & result.rules]
+    # Every method wrapped for the rules: the encoder check's may carry only the split rule's ear.
+    wrapped = [
+        m for m in result.methods
+        if m.state.carries_rules and (m.rules & result.rules or m.state is MethodState.WRAPPED)
+    ]  # fmt: skip
     wraps = [m.wraps or m.name for m in wrapped]
     extra = fields(
         "active", version=__version__, scheduler_class=cls,

@@ -27,11 +27,14 @@ split is ever asked for (``starved``), a split floored in it returns 0 for every
 prompt's last on 0.15-0.26, forever (pinned stock hangs there), and advances sub-block on 0.27+
 (chunks that can take more steps than stock's right ones). There vLLM's configured answer,
 stopped at the next cache boundary (:func:`stop_at_cache_boundary`), is the chunk: stock's
-wherever stock's is right, never 0 where stock gives more. No vLLM import.
+wherever stock's is right, never 0 where stock gives more; a chunk asked past the cache's block
+(0.34 asks past the threshold) is vLLM's asked through the view (:func:`asked_through`). No
+vLLM import.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vllm_mamba_fix._log import fields, logger
@@ -51,8 +54,8 @@ def view_for(
 ) -> CacheConfigView | None:
     """The view of ``scheduler``'s ``cache_config`` with the cache's block, where the sizes
     differ and the rule is on; one log line either way. split_settle.py gives it to the
-    scheduler through the record of changes. None: no view (``starved``: the rule engages
-    without one, stopping vLLM's configured answers at the cache's boundary)."""
+    scheduler through the record of changes, except where ``starved`` (there the view only
+    answers a chunk asked past the cache's block, :func:`asked_through`). None: no view."""
     name = f"{type(scheduler).__module__}.{type(scheduler).__qualname__}"
     sizes = {"scheduler_class": name, "block": unit.mamba, "configured_block": unit.configured}
     current = vars(scheduler).get(CACHE_CONFIG_ATTR)
@@ -62,7 +65,7 @@ def view_for(
         extra = fields("block-mismatch", **sizes)
         logger.warning("vllm-mamba-fix: %s", unit.mismatch_warning(ENV_BLOCK_RULE), extra=extra)
         return None
-    if current is None and not starved:
+    if current is None:
         logger.warning(
             "vllm-mamba-fix: the block-unit rule stands down for %s: its cache_config is not "
             "an instance attribute; %s",
@@ -73,7 +76,20 @@ def view_for(
         return None
     extra = fields("block-engaged", rule="block-unit", **sizes)
     logger.info("vllm-mamba-fix: %s", unit.engaged_line(name), extra=extra)
-    return None if starved else CacheConfigView(current, int(unit.mamba or 0))
+    return CacheConfigView(current, int(unit.mamba or 0))
+
+
+def asked_through(view: CacheConfigView, split: Callable[..., int], scheduler: Any,
+                  call: Any) -> int:  # fmt: skip
+    """``starved``, a chunk asked past the cache's block (a release whose split is asked more
+    than the threshold, 0.34): vLLM's split asked once more with the view set for that call,
+    so the chunk is pinned stock's (its multi-block chunks), then the scheduler's own back."""
+    real = vars(scheduler)[CACHE_CONFIG_ATTR]
+    scheduler.cache_config = view
+    try:
+        return split(scheduler, call.request, call.asked, *call.args, **call.kwargs)
+    finally:
+        scheduler.cache_config = real
 
 
 def stop_at_cache_boundary(start: int, answer: int, size: int) -> int:

@@ -290,7 +290,10 @@ class SplitRule:
         if not self._in_prefill(request, start):
             return answer
         if state.starved:
-            chunk = block_unit.stop_at_cache_boundary(start, answer, state.size)
+            if call.asked >= state.size and state.view is not None:
+                chunk = block_unit.asked_through(state.view, self.original, call.scheduler, call)
+            else:
+                chunk = block_unit.stop_at_cache_boundary(start, answer, state.size)
             changed = chunk != answer
         else:
             chunk = answer

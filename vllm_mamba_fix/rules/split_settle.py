@@ -92,7 +92,7 @@ def settle_split(
     scheduler: Any, block_rule: bool, advances_sub_block: bool = True
 ) -> tuple[SplitState, BlockUnit]:
     """The unit and, where vLLM's split floors to another block than the cache's and
-    ``block_rule`` is on, the view the scheduler now holds (:func:`block_unit.engage`)."""
+    ``block_rule`` is on, the view the scheduler now holds (:func:`block_unit.view_for`)."""
     size = block_size_of(scheduler)
     configured = getattr(block_unit.configured_config(scheduler), "block_size", None)
     unit = BlockUnit(size or None, configured if isinstance(configured, int) else None)
@@ -104,7 +104,7 @@ def settle_split(
     # wherever stock's is right (do no harm: the sub-block chunks of 0.27+ can take more steps).
     starved = unit.differs and longest is not None and configured_size <= longest < size
     view = block_unit.view_for(scheduler, unit, block_rule, starved) if unit.differs else None
-    installed = view is None or vars(scheduler).get(CACHE_CONFIG_ATTR) is view
+    installed = view is None or starved or vars(scheduler).get(CACHE_CONFIG_ATTR) is view
     if not installed and not installation.replace_on(scheduler, CACHE_CONFIG_ATTR, view):
         view = None  # said once by the record: vLLM's configured split
     starved = starved and block_rule
