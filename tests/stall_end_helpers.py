@@ -45,6 +45,21 @@ def install_clock(monkeypatch: pytest.MonkeyPatch, per_call: float = 0.0) -> Clo
     return fake
 
 
+def count_samples(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The watchdog's samples from now on, each as the steps it counted (stall_look.sample)."""
+    from vllm_mamba_fix.rules import stall_look
+
+    samples: list[int] = []
+    real_sample = stall_look.sample
+
+    def counting(*args: Any) -> None:
+        samples.append(args[4])
+        real_sample(*args)
+
+    monkeypatch.setattr(stall_look, "sample", counting)
+    return samples
+
+
 def stall_end_installed() -> bool:
     """Whether the plugin's update wrapper is on ``Scheduler`` and carries the stall end (it
     also carries the watchdog's look, with or without the end)."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.stall_end_helpers import count_samples
 from vllm_mamba_fix.decide.stalls import Streak
 from vllm_mamba_fix.facts.blocks import BLOCK_ATTR
 from vllm_mamba_fix.observe import counters
@@ -222,14 +223,7 @@ def test_it_samples_at_most_once_a_second(clock: Clock, monkeypatch: pytest.Monk
     """The cost bound: one clock read per step, one pass over the requests per second. A
     clock that moves 0.1 s per read, 30 steps: 3 s, so at most 4 samples."""
     clock.per_call = 0.1
-    samples: list[int] = []
-    real_sample = stall_look.sample
-
-    def counting(*args: Any) -> None:
-        samples.append(args[4])
-        real_sample(*args)
-
-    monkeypatch.setattr(stall_look, "sample", counting)
+    samples = count_samples(monkeypatch)
     observe = observer(None)
     scheduler = Scheduler()
     running(scheduler, request())

@@ -21,6 +21,7 @@ from tests.stall_end_helpers import (
     Finish,
     assert_pools_clean,
     capture_finishes,
+    count_samples,
     ended,
     install_clock,
     update_wrapped,
@@ -329,7 +330,7 @@ def test_the_watchdog_samples_at_most_once_a_second(
 ) -> None:
     """The cost bound on the real scheduler: a clock that moves 0.1 s per read, 30 steps of
     the mutual hold (a stop in every step): one read per step, at most 4 samples."""
-    from vllm_mamba_fix.rules import stall_look, stall_watch
+    from vllm_mamba_fix.rules import stall_watch
 
     _needs_the_hold(family)
     clock = install_clock(monkeypatch, per_call=0.1)
@@ -342,14 +343,7 @@ def test_the_watchdog_samples_at_most_once_a_second(
         return read()
 
     monkeypatch.setattr(stall_watch, "clock", counted_clock)
-    samples: list[int] = []
-    real_sample = stall_look.sample
-
-    def counting(*args: Any) -> None:
-        samples.append(args[4])
-        real_sample(*args)
-
-    monkeypatch.setattr(stall_look, "sample", counting)
+    samples = count_samples(monkeypatch)
     load_plugin(**ENV, VLLM_MAMBA_FIX_SPLIT_RULE="0")
     if _watchdog_seconds() is None:
         pytest.skip("the plugin runs no watchdog with the split rule off on this release")

@@ -178,10 +178,15 @@ def read_block_unit(kv_cache_config: Any, configured: Any) -> BlockUnit:
     return BlockUnit(size, configured_size)
 
 
+def configured_cache_config(scheduler: Any) -> Any:
+    """The scheduler's own ``cache_config``, beneath the block-unit rule's view where it is
+    engaged (the configured block vLLM's split would floor to without the rule)."""
+    config = getattr(scheduler, CACHE_CONFIG_ATTR, None)
+    return config._real if isinstance(config, CacheConfigView) else config
+
+
 def unit_of_scheduler(scheduler: Any) -> BlockUnit:
-    cache_config = getattr(scheduler, "cache_config", None)
-    if isinstance(cache_config, CacheConfigView):  # the block-unit rule's: the configured beneath
-        cache_config = cache_config._real
+    cache_config = configured_cache_config(scheduler)
     return read_block_unit(
         getattr(scheduler, "kv_cache_config", None), getattr(cache_config, "block_size", None)
     )

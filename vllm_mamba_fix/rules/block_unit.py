@@ -43,12 +43,6 @@ from vllm_mamba_fix.facts.blocks import CACHE_CONFIG_ATTR, BlockUnit, CacheConfi
 from vllm_mamba_fix.facts.config import ENV_BLOCK_RULE
 
 
-def configured_config(scheduler: Any) -> Any:
-    """The scheduler's own ``cache_config``, beneath the rule's view where it is engaged."""
-    config = getattr(scheduler, CACHE_CONFIG_ATTR, None)
-    return config._real if isinstance(config, CacheConfigView) else config
-
-
 def view_for(
     scheduler: Any, unit: BlockUnit, block_rule: bool, starved: bool
 ) -> CacheConfigView | None:

@@ -26,6 +26,7 @@ from vllm_mamba_fix.facts.blocks import (
     SPLIT_ATTR,
     BlockUnit,
     SplitState,
+    configured_cache_config,
     longest_chunk,
     unit_of_scheduler,
 )
@@ -94,7 +95,7 @@ def settle_split(
     """The unit and, where vLLM's split floors to another block than the cache's and
     ``block_rule`` is on, the view the scheduler now holds (:func:`block_unit.view_for`)."""
     size = block_size_of(scheduler)
-    configured = getattr(block_unit.configured_config(scheduler), "block_size", None)
+    configured = getattr(configured_cache_config(scheduler), "block_size", None)
     unit = BlockUnit(size or None, configured if isinstance(configured, int) else None)
     longest = longest_chunk(scheduler)
     configured_size = unit.configured or 0
