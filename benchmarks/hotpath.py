@@ -392,6 +392,7 @@ def micro_bench(repeats: int, target_ns: int) -> dict[str, Any]:
     """Per-call time through the bound method, each arm against the original, interleaved."""
     from tools.scenarios import ISSUE_CONFIG
     from tools.sched_harness import Harness
+    from vllm_mamba_fix.changes import installation
     from vllm_mamba_fix.observe import counters
 
     cls = _scheduler_class()
@@ -452,7 +453,7 @@ def micro_bench(repeats: int, target_ns: int) -> dict[str, Any]:
     finally:
         for wrapper, _original in installed.values():
             setattr(cls, wrapper.__name__, wrapper)
-        counters.reset()
+        installation.forget(counters.Tally)  # the counts it made
     return out
 
 

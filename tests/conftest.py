@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from vllm_mamba_fix._log import FIELD_PREFIX
+from vllm_mamba_fix.changes import Changes, installation
 from vllm_mamba_fix.hookspecs import ENTRY_POINT_GROUP
 
 PLUGIN_LOGGER = "vllm.mamba_fix"
@@ -86,13 +87,19 @@ def install_scope_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Insta
     return install
 
 
+@pytest.fixture
+def session() -> Iterator[Changes]:
+    """The plugin's session (its changes to vLLM and everything it remembers), fresh for the
+    test and closed after it, as ``monkeypatch`` undoes its own."""
+    installation.close()
+    yield installation
+    installation.close()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_shutdown_summary_in_pytest() -> Iterator[None]:
-    """pytest closes its capture streams before exit, where the summary line would go.
-
-    The summary itself is tested in a subprocess (tests/scheduler/test_observability.py).
-    """
+    """pytest closes its capture streams before exit, where the summary line would go:
+    closing the session cancels it. The summary itself is tested in a subprocess
+    (tests/scheduler/test_observability.py)."""
     yield
-    from vllm_mamba_fix.observe.counters import reset
-
-    reset()
+    installation.close()

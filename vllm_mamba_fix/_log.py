@@ -1,12 +1,11 @@
 """The plugin's logger (a child of ``vllm``, so lines share vLLM's handler and format), the
-fields its records carry for JSON logging, the one "say once" of the process (:func:`say_once`,
-forgotten by ``unregister()``), and the once-only report of a wrapper that fell back to vLLM's
-own result."""
+fields its records carry for JSON logging, and the once-only report of a wrapper that fell back
+to vLLM's own result. Saying a line once per session is the session's
+(:func:`vllm_mamba_fix.changes.say_once`)."""
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -69,38 +68,6 @@ def fields(event: str, **facts: Any) -> dict[str, Any]:
     for name, value in facts.items():
         extra[FIELD_PREFIX + name] = value
     return extra
-
-
-_said_lock = threading.Lock()
-_said: set[str] = set()  # the messages said, until forget_said()
-
-
-def say_once(
-    level: int, message: str, *args: Any, event: str | None = "setup", **facts: Any
-) -> bool:
-    """Log ``vllm-mamba-fix: <message>`` once in this process; returns whether it was logged.
-
-    ``message`` is the key: a ``%`` template with ``args`` is said once whatever the args.
-    ``event`` and ``facts`` become the record's fields (:func:`fields`); ``event=None``: none.
-    ``unregister()`` forgets what was said (:func:`forget_said`), so a new ``register()``
-    says it again.
-    """
-    with _said_lock:
-        if message in _said:
-            return False
-        _said.add(message)
-    extra = None if event is None else fields(event, **facts)
-    if args:
-        logger.log(level, "vllm-mamba-fix: " + message, *args, extra=extra)
-    else:
-        logger.log(level, "vllm-mamba-fix: %s", message, extra=extra)
-    return True
-
-
-def forget_said() -> None:
-    """Forget every line :func:`say_once` said (``unregister()``, and tests)."""
-    with _said_lock:
-        _said.clear()
 
 
 def failure_reporter(what: str) -> Callable[[Exception, Any], Any]:

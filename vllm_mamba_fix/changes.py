@@ -1,4 +1,4 @@
-"""Every change the plugin makes to the process, recorded as it is made, and one undo.
+"""The plugin's session: every change it makes to the process, everything it remembers, one close.
 
 The plugin changes vLLM and the process in a few kinds of ways: it sets wrappers on vLLM's
 classes (the scheduler's methods, the API server's stream generators), puts import hooks on
@@ -8,7 +8,13 @@ attributes of scheduler instances. Each of those is made through one :class:`Cha
 keeps a :class:`Change` per change with what reverts it; :meth:`Changes.undo` reverts them
 newest first, once. :data:`installation` is the process's one record: the modules of
 ``install/``, ``observe/`` and ``rules/`` write through it, and ``unregister()``
-(:mod:`vllm_mamba_fix.install.plugin`) is its undo.
+(:mod:`vllm_mamba_fix.install.plugin`) closes it (:meth:`Changes.close`).
+
+It also holds everything the plugin remembers, as pytest's ``MonkeyPatch`` holds its changes:
+each concern's memory is a small class its own module defines (counts, named stalls, end
+orders, the encoder note, metrics identity, install records...), made on first use by
+:meth:`Changes.memory`, and the lines :func:`say_once` said. Closing forgets all of it, so
+no module keeps state of its own and a new ``register()`` starts as in a fresh process.
 
 A change that someone else has overwritten since is left as they left it: a class attribute
 or environment variable is restored only while it still holds what the plugin put there.
@@ -16,7 +22,7 @@ Scheduler instances are held weakly (a scheduler is never kept alive by the reco
 instance attribute the plugin did not set itself is never overwritten (:meth:`Changes.set_on`).
 
 Undoing never raises: a revert that fails is said once and the others still run. This module
-sits at the bottom of the package: it imports only the logger.
+sits at the bottom of the package: it imports nothing of the plugin's.
 """
 
 from __future__ import annotations
@@ -27,11 +33,15 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from vllm_mamba_fix._log import say_once
-
+# The plugin's logger and its records' field prefix, as _log.py names them (a test holds them
+# equal): this module imports nothing of the plugin, so the session lengthens no chain of
+# imports (tools/import_chain.py).
+_logger = logging.getLogger("vllm.mamba_fix")
+_FIELD_PREFIX = "vllm_mamba_fix_"
 _MISSING: Any = object()
+_Memory = TypeVar("_Memory")
 INSTANCE_TAG = "instance attributes"
 
 
@@ -73,6 +83,60 @@ class Changes:
         self._lock = threading.RLock()
         self._changes: list[Change] = []
         self._instances: dict[int, _Owned] = {}  # id(instance) -> what the plugin set there
+        self._memory: dict[type, Any] = {}  # each concern's memory, by its class
+        self._said: set[str] = set()  # the lines say_once said
+        self._said_lock = threading.Lock()
+
+    # -- memory -------------------------------------------------------------------------
+
+    def memory(self, kind: type[_Memory]) -> _Memory:
+        """The plugin's memory of one concern: ``kind()``, made on first use, until close().
+        No lock once made: the hot paths (the split, every step) read it per call."""
+        try:
+            return self._memory[kind]  # type: ignore[no-any-return]
+        except KeyError:
+            with self._lock:
+                return self._memory.setdefault(kind, kind())  # type: ignore[no-any-return]
+
+    def forget(self, kind: type) -> None:
+        """Forget one concern's memory (its next use starts afresh)."""
+        with self._lock:
+            self._memory.pop(kind, None)
+
+    def say_once(
+        self, level: int, message: str, *args: Any, event: str | None = "setup", **facts: Any
+    ) -> bool:
+        """Log ``vllm-mamba-fix: <message>`` once per session; returns whether it was logged.
+
+        ``message`` is the key: a ``%`` template with ``args`` is said once whatever the args.
+        ``event`` and ``facts`` become the record's fields (as ``_log.fields`` makes them);
+        ``event=None``: none. :meth:`close` forgets what was said, so a new ``register()``
+        says it again.
+        """
+        with self._said_lock:
+            if message in self._said:
+                return False
+            self._said.add(message)
+        extra = None
+        if event is not None:
+            extra = {_FIELD_PREFIX + k: v for k, v in {"event": event, **facts}.items()}
+        if args:
+            _logger.log(level, "vllm-mamba-fix: " + message, *args, extra=extra)
+        else:
+            _logger.log(level, "vllm-mamba-fix: %s", message, extra=extra)
+        return True
+
+    def close(self) -> bool:
+        """Undo every change, then forget everything remembered (``unregister()``).
+
+        Returns whether anything was undone. Never raises.
+        """
+        undone = self.undo()
+        with self._lock:
+            self._memory = {}
+        with self._said_lock:
+            self._said = set()
+        return undone
 
     # -- recording ------------------------------------------------------------------------
 
@@ -157,7 +221,7 @@ class Changes:
             try:
                 setattr(instance, name, value)
             except Exception as exc:  # a class of its own __setattr__
-                say_once(logging.WARNING, f"cannot set {name} ({type(exc).__name__}: {exc})")
+                self.say_once(logging.WARNING, f"cannot set {name} ({type(exc).__name__}: {exc})")
                 return False
         return True
 
@@ -175,7 +239,8 @@ class Changes:
             ref = None
         if ref is None or space is None or name not in space:
             cls = _type_name(instance)
-            say_once(logging.WARNING, f"cannot replace {name} of a {cls}: not its own attribute")
+            why = f"cannot replace {name} of a {cls}: not its own attribute"
+            self.say_once(logging.WARNING, why)
             return False
         previous = space[name]
 
@@ -202,7 +267,7 @@ class Changes:
         space = _namespace(instance)
         if space is not None and name in space and (owned is None or name not in owned.names):
             cls = _type_name(instance)
-            say_once(
+            self.say_once(
                 logging.WARNING,
                 f"left {name} of a {cls} as it is: the plugin did not set it",
                 scheduler_class=cls,
@@ -218,7 +283,7 @@ class Changes:
             ref = None
         if ref is None or space is None:
             cls = _type_name(instance)
-            say_once(logging.WARNING, f"keeps no state on a {cls} (no weakref or namespace)")
+            self.say_once(logging.WARNING, f"keeps no state on a {cls} (no weakref or namespace)")
             return None
         self._prune()  # a dead instance of the same id goes here
         owned = _Owned(ref)
@@ -287,5 +352,6 @@ def _run(change: Change) -> None:
         say_once(logging.WARNING, f"could not undo {change.what} ({type(exc).__name__}: {exc})")
 
 
-# The process's one record: install/ drives it (register() adds, unregister() undoes).
+# The process's one session: install/ drives it (register() adds, unregister() closes it).
 installation = Changes()
+say_once = installation.say_once

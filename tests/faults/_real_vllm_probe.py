@@ -192,6 +192,7 @@ def hygiene() -> None:
             vllm_error = None
         except AttributeError as exc:
             vllm_error = type(exc).__name__
+        counts = vllm_mamba_fix.stats()  # unregister() forgets them
         vllm_mamba_fix.unregister()
     finally:
         os.environ = real_environ  # type: ignore[assignment]  # noqa: B003
@@ -206,7 +207,7 @@ def hygiene() -> None:
             "events": events,
             "plugin_files_read": sum("vllm_mamba_fix" in path for path in reads),
             "env_read": sorted(set(recorder.read)),
-            "counters": vllm_mamba_fix.stats(),
+            "counters": counts,
         },
     )
 

@@ -23,11 +23,9 @@ from typing import Any
 
 import pytest
 
-from vllm_mamba_fix import _log
-from vllm_mamba_fix.changes import installation
+from vllm_mamba_fix.changes import Changes, installation
 from vllm_mamba_fix.facts import targets
 from vllm_mamba_fix.install import import_hook, plugin
-from vllm_mamba_fix.observe import counters, record
 
 PLUGIN_LOGGER = "vllm.mamba_fix"
 SCHEDULER_MODULE = targets.SCHEDULER_MODULE
@@ -244,38 +242,18 @@ def clean_plugin_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in PLUGIN_ENV:
         monkeypatch.delenv(name, raising=False)
     meta_path = list(sys.meta_path)
-    saved_installed = plugin._installed
-    # Another suite's changes (and its pending hook) are set aside, not undone.
-    saved_changes = list(installation._changes)
-    saved_instances = dict(installation._instances)
-    saved_records = dict(record._records)
-    saved_said = set(_log._said)
-    saved_counts = dict(counters._counts)
-    saved_logged = counters._logged_requests.copy()
+    # Another suite's session (its changes, pending hook and memory) is set aside, not undone.
+    saved = dict(vars(installation))
+    Changes.__init__(installation)
     # A pending hook left by another suite would fire on our fake scheduler.
     sys.meta_path[:] = [f for f in meta_path if not isinstance(f, import_hook.PostImportHook)]
-    plugin._installed = None
-    installation._changes.clear()
-    installation._instances.clear()
-    record._records.clear()
-    _log._said.clear()
-    counters.reset()
     try:
         yield
     finally:
         plugin.unregister()  # unwraps our fake classes, cancels our pending hook
         sys.meta_path[:] = meta_path
-        plugin._installed = saved_installed
-        installation._changes[:] = saved_changes
-        installation._instances.clear()
-        installation._instances.update(saved_instances)
-        record._records.clear()
-        record._records.update(saved_records)
-        _log._said.clear()
-        _log._said.update(saved_said)
-        counters._counts.update(saved_counts)
-        counters._logged_requests.clear()
-        counters._logged_requests.update(saved_logged)
+        vars(installation).clear()
+        vars(installation).update(saved)
 
 
 # ------------------------------------------------------------------- fake vLLM

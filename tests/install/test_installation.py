@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import vllm_mamba_fix
-from vllm_mamba_fix._log import forget_said
+from vllm_mamba_fix import _log, changes
 from vllm_mamba_fix.changes import INSTANCE_TAG, Changes
 from vllm_mamba_fix.facts.blocks import BLOCK_ATTR, SPLIT_ATTR
 from vllm_mamba_fix.facts.config import METRICS_DIR_VAR, PROMETHEUS_DIR
@@ -45,10 +45,8 @@ class Instance:
     """A stand-in for a scheduler instance: an object with a namespace."""
 
 
-@pytest.fixture(autouse=True)
-def nothing_said_yet() -> None:
-    """Each test's lines are said, whatever an earlier test said once."""
-    forget_said()
+# Each test's lines are said, whatever an earlier test said once.
+pytestmark = pytest.mark.usefixtures("session")
 
 
 def _warnings(log: pytest.LogCaptureFixture) -> list[str]:
@@ -302,3 +300,9 @@ def test_an_inherited_metrics_directory_is_given_back(
     assert os.environ[METRICS_DIR_VAR] not in ("", inherited)
     vllm_mamba_fix.unregister()
     assert os.environ[METRICS_DIR_VAR] == inherited
+
+
+def test_the_session_logs_as_the_logger_module_does() -> None:
+    """changes.py imports nothing of the plugin: its logger and field prefix are _log's."""
+    assert changes._logger is _log.logger
+    assert changes._FIELD_PREFIX == _log.FIELD_PREFIX

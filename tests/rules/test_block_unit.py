@@ -13,7 +13,7 @@ tests/e2e/test_cache_reuse.py.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -68,11 +68,7 @@ def request(at: int, prompt: int = PROMPT) -> Any:
     )  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def clean() -> Iterator[None]:
-    counters.reset()
-    yield
-    installation.undo(lambda change: change.name == "cache_config")
+pytestmark = pytest.mark.usefixtures("session")
 
 
 def test_vllms_split_floors_in_the_caches_block_with_no_swap_per_call() -> None:

@@ -9,7 +9,6 @@ tests/scheduler/test_speculative_stall.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -44,10 +43,7 @@ def setup(held: set[int], *images: tuple[int, int]) -> tuple[Any, Any]:
     return scheduler, request
 
 
-@pytest.fixture(autouse=True)
-def clean() -> Iterator[None]:
-    counters.reset()
-    yield
+pytestmark = pytest.mark.usefixtures("session")
 
 
 def test_a_held_image_the_request_is_past_is_freed_and_the_check_asked_without_the_shift() -> None:

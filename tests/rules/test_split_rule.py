@@ -8,7 +8,6 @@ Scheduler, stock against 0.28.0: tests/scheduler/ and tests/properties/test_regr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,12 +44,7 @@ def request(rid: str = "r", at: int = 0, images: bool = True) -> Any:
     )  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def clean() -> Iterator[None]:
-    counters.reset()
-    encoder_cut.forget()
-    yield
-    encoder_cut.forget()
+pytestmark = pytest.mark.usefixtures("session")
 
 
 def correct(req: Any, asked: int, beyond: bool = False, **options: Any) -> int:

@@ -23,7 +23,7 @@ from vllm_mamba_fix.decide.stalls import (
     own_inputs_block,
 )
 from vllm_mamba_fix.facts.targets import MARKER
-from vllm_mamba_fix.rules import end_order, stall_end, stall_look, stall_watch, zero_streaks
+from vllm_mamba_fix.rules import end_order, stall_end, stall_watch, zero_streaks
 
 
 def test_the_proof_on_the_stall_shapes() -> None:
@@ -80,6 +80,7 @@ def test_the_bound_needs_time_and_repeated_zeros_after_naming(
     assert not end_due(Streak(7, 9, 0.0), 1e9, bound)  # never named
 
 
+@pytest.mark.usefixtures("session")
 def test_the_watchdogs_look_never_raises_into_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     """A scheduler the look cannot read: vLLM's result, one warning, every step."""
 
@@ -101,7 +102,6 @@ def test_the_watchdogs_look_never_raises_into_vllm(monkeypatch: pytest.MonkeyPat
             assert wrapper(host, out, "runner") == {"outputs": (out, "runner")}
     finally:
         logger.removeHandler(handler)
-        stall_look.forget_watches()
     failed = [r.getMessage() for r in records if "the stall watchdog failed" in r.getMessage()]
     assert len(failed) == 1, failed
     assert not zero_streaks.tracked_requests() & {"never-seen"}

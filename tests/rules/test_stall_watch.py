@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 
 from tests.stall_end_helpers import count_samples
+from vllm_mamba_fix.changes import Changes, installation
 from vllm_mamba_fix.decide.stalls import Streak
 from vllm_mamba_fix.facts.blocks import BLOCK_ATTR
 from vllm_mamba_fix.observe import counters
-from vllm_mamba_fix.rules import end_order, stall_look, stall_watch
+from vllm_mamba_fix.rules import stall_look, stall_watch
 from vllm_mamba_fix.rules.stall_look import SAMPLE_SECONDS
 
 SECONDS = 30.0
@@ -84,14 +85,10 @@ class Clock:
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
+def clock(monkeypatch: pytest.MonkeyPatch, session: Changes) -> Clock:
     fake = Clock()
     monkeypatch.setattr(stall_watch, "clock", fake)
-    counters.reset()
-    yield fake
-    stall_watch.forget_named()
-    stall_look.forget_watches()
-    end_order.forget_orders()
+    return fake
 
 
 def named_lines(records: list[logging.LogRecord]) -> list[str]:
@@ -115,7 +112,7 @@ def observer(end_after: float | None) -> Any:
 
 
 def streak_of(scheduler: Any, rid: str = "r") -> Any:
-    watch = stall_look._watches.get(scheduler)
+    watch = installation.memory(stall_look.Watches).get(scheduler)
     return None if watch is None else watch.store.by_request.get(rid)
 
 
@@ -251,8 +248,8 @@ def test_the_named_stalls_live_beside_the_scheduler_not_on_it(clock: Clock) -> N
     del scheduler
     gc.collect()
     assert gone() is None
-    assert len(stall_watch._named) == 0
-    assert len(stall_look._watches) == 0
+    assert len(installation.memory(stall_watch.Named)) == 0
+    assert len(installation.memory(stall_look.Watches)) == 0
 
 
 def test_a_freed_request_leaves_no_streak(clock: Clock) -> None:

@@ -22,7 +22,6 @@ from tools.scenarios import ISSUE_CONFIG, image_request, text_request
 from vllm_mamba_fix._log import EVENTS, FIELD_PREFIX, FIELDS
 from vllm_mamba_fix.decide.stalls import StallCause
 from vllm_mamba_fix.facts.versions import Family
-from vllm_mamba_fix.observe import counters
 
 SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 ACTIVE = re.compile(r"vllm-mamba-fix \S+ active: (?P<cls>\S+) carries .*; block size (?P<b>\d+) ")
@@ -35,7 +34,6 @@ MOVED = re.compile(r"request (?P<rid>\S+) moves again \(was stalled at token (?P
 def affected_release(family: Family) -> None:
     if not facts_for(family).image_deadlock:
         pytest.skip(f"family {family.name}: the split rule does not run by default")
-    counters.reset()
 
 
 def _events(records: list[logging.LogRecord], event: str) -> list[logging.LogRecord]:

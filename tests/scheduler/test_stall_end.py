@@ -132,7 +132,6 @@ def test_speculative_stall_is_ended(
     mode = _unendable_speculative(family, sched_mode)
     clock = install_clock(monkeypatch)
     load_plugin(**_env(end_after))
-    counters.reset()
     with update_without_end() if end_after == "off" else update_wrapped(BOUND):
         h, finishes = _run(mode.apply(ISSUE_CONFIG), clock, SPEC_FIRST, SPEC_BEHIND)
     if end_after == "off":
@@ -177,7 +176,6 @@ def test_split_floor_stall_is_ended(
     load_plugin(**_env(str(BOUND), VLLM_MAMBA_FIX_SPLIT_RULE="0"))
     if _watchdog_seconds() is None:
         pytest.skip("the plugin runs no watchdog with the split rule off on this release")
-    counters.reset()
     with update_wrapped(BOUND):
         h, finishes = _run(sched_mode.apply(ISSUE_CONFIG), clock, SPLIT_FIRST, SPLIT_BEHIND)
     assert ended(finishes) == {"running-image"}

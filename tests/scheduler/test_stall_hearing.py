@@ -127,7 +127,6 @@ def test_mutual_hold_is_named_and_one_request_ended(
     load_plugin(**ENV, VLLM_MAMBA_FIX_SPLIT_RULE="0")
     if _watchdog_seconds() is None:
         pytest.skip("the plugin runs no watchdog with the split rule off on this release")
-    counters.reset()
     with update_wrapped(BOUND):
         h = _harness(family, sched_mode.apply(HOLD_CONFIG))
         finishes = capture_finishes(h.scheduler)

@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import facts_of
 from vllm_mamba_fix import _log
 from vllm_mamba_fix._log import EVENTS, FIELD_PREFIX, FIELDS
+from vllm_mamba_fix.changes import Changes
 from vllm_mamba_fix.decide.decision import Action
 from vllm_mamba_fix.observe import counters
 
@@ -27,10 +28,8 @@ EXAMPLE = REPO / "examples" / "vllm_json_logging.json"
 
 
 @pytest.fixture
-def fresh_counters() -> Any:
-    counters.reset()
-    yield
-    counters.reset()
+def fresh_counters(session: Changes) -> Changes:
+    return session
 
 
 def test_a_correction_carries_its_facts_and_keeps_its_text(

@@ -22,13 +22,13 @@ import dataclasses
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from vllm_mamba_fix._log import fields, forget_said, logger, say_once
+from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix._version import __version__
-from vllm_mamba_fix.changes import installation
+from vllm_mamba_fix.changes import installation, say_once
 from vllm_mamba_fix.decide.policy import Facts, Plan, Preflight, Rule, preflight
 from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.facts.blocks import BlockUnit, unit_of_scheduler
@@ -39,16 +39,11 @@ from vllm_mamba_fix.facts.versions import Family, family_for
 from vllm_mamba_fix.install import import_hook, patch, stream_end
 from vllm_mamba_fix.observe import counters, metrics, mtp_tokens, record, series
 from vllm_mamba_fix.observe.record import ClassRecord, MethodRecord, MethodState, class_name
-from vllm_mamba_fix.rules import encoder_cut, end_order, stall_look, stall_watch
 from vllm_mamba_fix.rules import table as rules
 from vllm_mamba_fix.rules.split_settle import set_block_unit
 from vllm_mamba_fix.rules.wrappers import settle_if_differs
 
 _lock = threading.RLock()
-# The scheduler classes settled in this process, by record name: a later install on a
-# base may change what they resolve to.
-_settled: dict[str, type] = {}
-_lines_logged: set[str] = set()  # classes whose active line was logged
 _SETUP = fields("setup")  # the log fields of a line with no facts but its event
 
 PREFLIGHT_LOG_LEVEL = {
@@ -71,7 +66,15 @@ class _Installed:
     unpatchable_on_base: frozenset[str] = frozenset()
 
 
-_installed: _Installed | None = None
+@dataclass
+class Setup:
+    """The session's memory of the installation."""
+
+    installed: _Installed | None = None
+    # The scheduler classes settled, by record name: a later install on a base may change
+    # what they resolve to.
+    settled: dict[str, type] = field(default_factory=dict)
+    lines_logged: set[str] = field(default_factory=set)  # classes whose active line was logged
 
 
 def _vllm_version() -> str | None:
@@ -137,14 +140,14 @@ def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, dict[str, Any], E
 
 
 def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, version: str) -> None:
-    global _installed
     try:
         with _lock:
+            setup = installation.memory(Setup)
             base = defined_scheduler(module)
             if not isinstance(base, type):
                 say_once(logging.WARNING, f"{module.__name__} has no Scheduler class; not patching")
                 return
-            if _installed is not None or any(
+            if setup.installed is not None or any(
                 patch.is_wrapped(base, name) for name in rules.ALL_WRAPPED
             ):
                 logger.debug("vllm-mamba-fix: already active in this process", extra=_SETUP)
@@ -163,7 +166,7 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                 quiet = name != INIT_METHOD and not rules.rules_through(name, decided.rules)
                 level = logging.DEBUG if quiet else logging.WARNING
                 say_once(level, _install_problem_line(name, problem, decided), method=name)
-            _installed = installed
+            setup.installed = installed
             # The base's record, kept even where nothing was installed (doctor reads it).
             check_class(base, log=False)
             if not wrapped:
@@ -206,7 +209,8 @@ def _on_scheduler_built(scheduler: Any) -> None:
     unit = unit_of_scheduler(scheduler)
     set_block_unit(scheduler, unit)
     found = check_class(type(scheduler), unit, _split_idle(scheduler, unit))
-    done = _installed  # the info series' labels: versions, rules, settings
+    # The info series' labels: versions, rules, settings.
+    done = installation.memory(Setup).installed
     info = None if done is None else series.info_labels(found, done.settings, done.version)
     metrics.prepare(scheduler, info, counters.standing_stalls())  # not without Mamba groups
     mtp_tokens.warn_once(scheduler, unit, class_name(type(scheduler)))  # vLLM #53912
@@ -225,7 +229,8 @@ def check_class(
     settled before keeps its settlement; only the facts of the scheduler built last change.
     """
     with _lock:
-        installed = _installed
+        setup = installation.memory(Setup)
+        installed = setup.installed
         if installed is None:
             return None
         name = class_name(cls)
@@ -235,8 +240,8 @@ def check_class(
         if unit is not None:
             found = dataclasses.replace(found, block=unit, split_idle=split_idle)
         record.remember(found)
-        if log and name not in _lines_logged:
-            _lines_logged.add(name)
+        if log and name not in setup.lines_logged:
+            setup.lines_logged.add(name)
             _log_record(found, installed)
         return found
 
@@ -270,14 +275,15 @@ def _settle_class(cls: type, installed: _Installed) -> ClassRecord:
             lambda owner, name=name: options_of(owner).get(name) is not None,
         )
     methods = tuple(settled.values())
-    _settled[class_name(cls)] = cls
+    installation.memory(Setup).settled[class_name(cls)] = cls
     _refresh_others(cls, installed)
     return ClassRecord(class_name(cls), decided, evidence, methods)
 
 
 def _refresh_others(settled: type, installed: _Installed) -> None:
     """Settling ``settled`` may have put a wrapper on a base of classes settled before."""
-    for name, cls in list(_settled.items()):
+    setup = installation.memory(Setup)
+    for name, cls in list(setup.settled.items()):
         found = record.recorded(name)
         if cls is settled or found is None:
             continue
@@ -290,7 +296,7 @@ def _refresh_others(settled: type, installed: _Installed) -> None:
             continue
         changed = dataclasses.replace(found, methods=methods)
         record.remember(changed)
-        if name in _lines_logged:
+        if name in setup.lines_logged:
             moved = "; ".join(m.describe() for m in methods if m not in found.methods)
             extra = fields("setup", scheduler_class=name)
             logger.info("vllm-mamba-fix: %s now resolves %s", name, moved, extra=extra)
@@ -378,18 +384,8 @@ def unregister() -> bool:
     Every change the installation recorded is reverted, newest first; then the plugin
     forgets what it knew, so :func:`register` works again as in a fresh process.
     """
-    global _installed
     with _lock:
-        undone = installation.undo()
-        _installed = None
-        record.forget_all()
-        _settled.clear()
-        _lines_logged.clear()
-        encoder_cut.forget()
-        stall_watch.forget_named()
-        stall_look.forget_watches()
-        end_order.forget_orders()
-        forget_said()
+        undone = installation.close()
     if undone:
         logger.info("vllm-mamba-fix: removed; vLLM's scheduler is stock again", extra=_SETUP)
     return undone

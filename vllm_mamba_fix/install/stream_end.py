@@ -55,8 +55,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_mamba_fix._log import say_once
-from vllm_mamba_fix.changes import installation
+from vllm_mamba_fix.changes import installation, say_once
 from vllm_mamba_fix.facts.targets import MARKER
 from vllm_mamba_fix.install.import_hook import PostImportHook
 from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX

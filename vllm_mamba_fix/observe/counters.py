@@ -1,6 +1,8 @@
 """Per-process counters of corrections, and their log lines.
 
-Log lines carry request ids and token counts only, never prompt content.
+The counts, the requests logged, the stalls standing and the sender's state are the
+session's (:class:`Tally`): ``unregister()`` forgets them. Log lines carry request ids and
+token counts only, never prompt content.
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from vllm_mamba_fix._log import fields, logger
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.decision import Action
 from vllm_mamba_fix.decide.plan import Rule
 
@@ -32,7 +37,7 @@ def report_to(sink: Sink | None) -> None:
     """Send every count to ``sink`` as well (plugin.py hands it metrics.py)."""
     global metrics
     with _lock:
-        unsent.clear()  # counted for the sink in place, which unregister() has taken down
+        installation.memory(Tally).unsent.clear()  # counted for the sink taken down
         metrics = sink
 
 
@@ -63,41 +68,39 @@ KEYS: tuple[str, ...] = (*ACTION_KEYS.values(), *STALL_KEYS)
 _QUIET = frozenset({Action.BLOCK_ALIGNED})
 
 _lock = threading.Lock()
-_counts: dict[str, int] = dict.fromkeys(KEYS, 0)
-_logged_requests: OrderedDict[str, None] = OrderedDict()
-# The stalls standing now: request id -> wall-clock start of its stall (its first 0), from the
-# watchdog's naming until it moves again, is ended, or finishes otherwise (freed).
-_standing: dict[str, float] = {}
 wall_clock = time.time  # tests put their own here
-# The process that registered the summary; a forked child registers its own.
-_summary_pid: int | None = None
-# Corrections counted and not yet sent to metrics (send_counts; the update_from_output wrapper
-# sends them at the end of the step that counted them), and the process whose timer will send
-# them (None: no timer pending) and whose exit sends the rest.
 SEND_SECONDS = 1.0
-unsent: dict[str, int] = {}
-_sender_pid: int | None = None
-_finalizer_pid: int | None = None
+
+
+@dataclass
+class Tally:
+    """The session's memory of counting. A forked child keeps its parent's and starts its
+    own timer and finalizers (the pids)."""
+
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEYS, 0))
+    logged_requests: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    # The stalls standing now: request id -> wall-clock start of its stall (its first 0), from
+    # the watchdog's naming until it moves again, is ended, or finishes otherwise (freed).
+    standing: dict[str, float] = field(default_factory=dict)
+    # Corrections counted and not yet sent to metrics (send_counts; the update_from_output
+    # wrapper sends them at the end of the step that counted them), the process whose timer
+    # will send them (None: no timer pending), whose exit sends the rest, and whose exit logs
+    # the summary.
+    unsent: dict[str, int] = field(default_factory=dict)
+    sender_pid: int | None = None
+    finalizer_pid: int | None = None
+    summary_pid: int | None = None
 
 
 def stats() -> dict[str, int]:
     """This process's counters (facts such as the block unit: :func:`vllm_mamba_fix.records`)."""
     with _lock:
-        return dict(_counts)
-
-
-def reset() -> None:
-    with _lock:
-        for key in _counts:
-            _counts[key] = 0
-        unsent.clear()
-        _logged_requests.clear()
-        _standing.clear()
+        return dict(installation.memory(Tally).counts)
 
 
 def _count(key: str) -> None:
     with _lock:
-        _counts[key] += 1
+        installation.memory(Tally).counts[key] += 1
     if metrics is not None:
         metrics.count(key)
 
@@ -107,18 +110,19 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
     that corrects never writes a metrics file), logged once per request at INFO."""
     key = ACTION_KEYS[action]
     totals = None
+    tally = installation.memory(Tally)
     with _lock:
-        _counts[key] += 1
+        tally.counts[key] += 1
         if metrics is not None:
-            unsent[key] = unsent.get(key, 0) + 1
-            if _sender_pid != os.getpid():
-                _send_soon()
-        first = action not in _QUIET and request_id not in _logged_requests
-        if first:
-            _logged_requests[request_id] = None
-            if len(_logged_requests) > _MAX_REMEMBERED_REQUESTS:
-                _logged_requests.popitem(last=False)
-            totals = dict(_counts)
+            tally.unsent[key] = tally.unsent.get(key, 0) + 1
+            if tally.sender_pid != os.getpid():
+                _send_soon(tally)
+        logged = tally.logged_requests
+        if action not in _QUIET and request_id not in logged:
+            logged[request_id] = None
+            if len(logged) > _MAX_REMEMBERED_REQUESTS:
+                logged.popitem(last=False)
+            totals = dict(tally.counts)
     # The fields are built only for a record that is emitted: most corrections log nothing.
     level = logging.INFO if totals is not None else logging.DEBUG
     if not logger.isEnabledFor(level):
@@ -136,39 +140,49 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
     logger.log(level, line, *args, extra=extra)
 
 
-def _send_soon() -> None:
+def _send_soon(tally: Tally) -> None:
     """Send the corrections counted from now on within :data:`SEND_SECONDS`. Holds ``_lock``.
 
     One timer thread at a time per process (a forked child starts its own); what is unsent
     at exit is sent by a finalizer, which multiprocessing runs in an engine core too.
     """
-    global _sender_pid, _finalizer_pid
-    _sender_pid = os.getpid()
-    timer = threading.Timer(SEND_SECONDS, _timer_ends)
+    tally.sender_pid = os.getpid()
+    timer = threading.Timer(SEND_SECONDS, _timer_ends, (tally,))
     timer.daemon = True
     timer.start()
-    if _finalizer_pid != _sender_pid:
-        _finalizer_pid = _sender_pid
-        from multiprocessing import util
-
-        util.Finalize(None, send_counts, exitpriority=20)
+    if tally.finalizer_pid != tally.sender_pid:
+        tally.finalizer_pid = tally.sender_pid
+        _at_exit(send_counts, 20, "the send of the counts left at exit")
 
 
-def _timer_ends() -> None:
+def _at_exit(call: Callable[[], None], priority: int, what: str) -> None:
+    """Run ``call`` at this process's exit (an engine core's too), until unregister()."""
+    from multiprocessing import util
+
+    finalizer = util.Finalize(None, call, exitpriority=priority)
+    installation.record(__name__, what, finalizer.cancel)
+
+
+def _timer_ends(tally: Tally) -> None:
     """The timer's send: the next count starts another timer (one at a time, at most one a
-    second: starting a thread costs about 0.15 ms)."""
-    global _sender_pid
+    second: starting a thread costs about 0.15 ms). Of its own session's tally."""
     with _lock:
-        _sender_pid = None
-    send_counts()
+        tally.sender_pid = None
+    _send(tally)
 
 
 def send_counts() -> None:
     """Send the corrections counted since the last send to metrics (the timer's, the end of a
-    step's, at exit, and tests that read metrics at once). Never raises."""
+    step's, at exit, and tests that read metrics at once). Cheap when none. Never raises."""
+    tally = installation.memory(Tally)
+    if tally.unsent:
+        _send(tally)
+
+
+def _send(tally: Tally) -> None:
     with _lock:
-        sending = dict(unsent)
-        unsent.clear()
+        sending = dict(tally.unsent)
+        tally.unsent.clear()
     sink = metrics
     if sink is None:
         return
@@ -197,12 +211,13 @@ def record_stall(
     _count("stalls_resolved" if resolved else "stalls_detected")
     if request_id is None:
         return
+    standing = installation.memory(Tally).standing
     with _lock:
         if resolved:
-            _standing.pop(request_id, None)
-        elif len(_standing) < _MAX_REMEMBERED_REQUESTS:
+            standing.pop(request_id, None)
+        elif len(standing) < _MAX_REMEMBERED_REQUESTS:
             start = wall_clock() - max(0.0, stalled_for)
-            _standing[request_id] = min(start, _standing.get(request_id, start))
+            standing[request_id] = min(start, standing.get(request_id, start))
     _report_standing()
 
 
@@ -213,17 +228,19 @@ def record_stall_ended(request_id: str | None = None) -> None:
 
 def stall_gone(request_id: str | None) -> None:
     """The request finished or was freed: a stall of it stands no more (cheap when none)."""
-    if request_id not in _standing:
+    standing = installation.memory(Tally).standing
+    if request_id not in standing:
         return
     with _lock:
-        _standing.pop(request_id, None)
+        standing.pop(request_id, None)
     _report_standing()
 
 
 def standing_stalls() -> tuple[int, float]:
     """How many named stalls stand now, and the wall-clock start of the oldest (0.0: none)."""
+    standing = installation.memory(Tally).standing
     with _lock:
-        return len(_standing), min(_standing.values(), default=0.0)
+        return len(standing), min(standing.values(), default=0.0)
 
 
 def _report_standing() -> None:
@@ -263,11 +280,9 @@ def register_shutdown_summary() -> None:
     multiprocessing's finalizers run both at interpreter exit and when a
     multiprocessing child ends (where ``atexit`` does not run after a fork).
     """
-    global _summary_pid
+    tally = installation.memory(Tally)
     with _lock:
-        if _summary_pid == os.getpid():
+        if tally.summary_pid == os.getpid():
             return
-        _summary_pid = os.getpid()
-    from multiprocessing import util
-
-    util.Finalize(None, log_summary, exitpriority=10)
+        tally.summary_pid = os.getpid()
+    _at_exit(log_summary, 10, "the summary at exit")

@@ -16,7 +16,9 @@ multiprocess files. Every release 0.15-0.34 serves ``/metrics`` from
   that counts makes it. Values made in the serving process itself (an engine in the same
   process) stay in memory, so that process writes no file. The collector, the variable and
   the directory's removal at exit are changes recorded in
-  :data:`vllm_mamba_fix.changes.installation`: ``unregister()`` takes all three back.
+  :data:`vllm_mamba_fix.changes.installation`: ``unregister()`` takes all three back. What
+  this module remembers (the writer, the engine core's labels, the sweep's pid) is that
+  session's too (:class:`Exported`), forgotten by ``unregister()``.
 
 The series, their labels (vLLM's ``model_name`` and ``engine``) and gauge mode: series.py;
 the files and the reader: metrics_store.py. :func:`prepare` runs when the engine core builds
@@ -40,11 +42,12 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from vllm_mamba_fix._log import logger, say_once
-from vllm_mamba_fix.changes import installation
+from vllm_mamba_fix._log import logger
+from vllm_mamba_fix.changes import installation, say_once
 from vllm_mamba_fix.facts import blocks, config
 from vllm_mamba_fix.observe import metrics_sweep
 from vllm_mamba_fix.observe.metrics_store import FILE_PREFIX, Collector, Local, Writer
@@ -75,14 +78,22 @@ class Support(NamedTuple):
 
 
 _lock = threading.RLock()  # re-entered if a registry collects while _serve_here holds it
-_writer: Writer | None = None
-_local: Local | None = None  # set in the process whose REGISTRY serves the values
-_off_pid: int | None = None  # the process where opening the writer failed
-_swept_pid: int | None = None  # the process that swept old directories (once per process)
-# This process's engine core: vLLM's model_name and engine labels, learnt by prepare(scheduler);
-# gauges are written only where it ran (an engine core), never in doctor or the API server.
-_identity: Labels = ()
-_identity_pid: int | None = None
+
+
+@dataclass
+class Exported:
+    """The session's memory of metrics in this process (a forked child chooses again)."""
+
+    writer: Writer | None = None
+    local: Local | None = None  # set in the process whose REGISTRY serves the values
+    off_pid: int | None = None  # the process where opening the writer failed
+    swept_pid: int | None = None  # the process that swept old directories (once per process)
+    # This process's engine core: vLLM's model_name and engine labels, learnt by
+    # prepare(scheduler); gauges are written only where it ran (an engine core), never in
+    # doctor or the API server.
+    identity: Labels = ()
+    identity_pid: int | None = None
+    collector: Collector | None = None  # the one this process registered
 
 
 TAG = __name__  # the collector, the variable and the directory, in the record of changes
@@ -116,13 +127,13 @@ def _sink_here() -> Writer | Local | None:
     counts if it serves them; then the directory an API server handed down; else this
     process serves its own (an engine in a process no API server started).
     """
-    global _writer, _off_pid
+    mem = installation.memory(Exported)
     pid = os.getpid()
-    if _writer is not None and _writer.pid == pid:
-        return _writer
-    if _off_pid == pid:  # failed once here: not retried on every count
+    if mem.writer is not None and mem.writer.pid == pid:
+        return mem.writer
+    if mem.off_pid == pid:  # failed once here: not retried on every count
         return None
-    _writer, _off_pid = None, pid
+    mem.writer, mem.off_pid = None, pid
     found = _import_prometheus()
     if isinstance(found, Exception):
         say_once(
@@ -134,18 +145,18 @@ def _sink_here() -> Writer | Local | None:
         return None
     shared, private = directories()
     if shared and os.path.isdir(shared):
-        _writer = Writer(found[1], shared)
-    elif _local is not None and _local.pid == pid:
-        _off_pid = None
-        return _local
+        mem.writer = Writer(found[1], shared)
+    elif mem.local is not None and mem.local.pid == pid:
+        mem.off_pid = None
+        return mem.local
     elif private:
-        _writer = Writer(found[1], _private_directory(private))
+        mem.writer = Writer(found[1], _private_directory(private))
     else:
-        _off_pid = None
+        mem.off_pid = None
         return _serve_here(found, None)
-    _off_pid = None
+    mem.off_pid = None
     logger.debug("vllm-mamba-fix: metrics are written to %s", shared or private)
-    return _writer
+    return mem.writer
 
 
 def _put(series: Series, labels: Labels, value: float, add: bool) -> None:
@@ -162,14 +173,16 @@ def count(key: str, amount: int = 1) -> None:
         if series is None:
             say_once(logging.DEBUG, "no metric for the count %r", key, event=None)
             return
-        _put(series, with_labels(series, _identity), amount, add=True)
+        labels = installation.memory(Exported).identity
+        _put(series, with_labels(series, labels), amount, add=True)
     except Exception as exc:
         _failed("metrics not written", exc)
 
 
 def _set(series: Series, value: float, extra: Labels = ()) -> None:
-    if _identity_pid == os.getpid():
-        _put(series, with_labels(series, (*_identity, *extra)), float(value), add=False)
+    mem = installation.memory(Exported)
+    if mem.identity_pid == os.getpid():
+        _put(series, with_labels(series, (*mem.identity, *extra)), float(value), add=False)
 
 
 def stalls(standing: int, oldest_start: float) -> None:
@@ -232,8 +245,8 @@ def prepare_engine(
     """This process is the engine core of ``labels`` (vLLM's ``engine`` and ``model_name``):
     every counter at 0, the info series (``info`` its own labels), the block sizes and the
     stalls standing now. Never raises."""
-    global _identity, _identity_pid
-    _identity, _identity_pid = tuple(sorted(labels)), os.getpid()
+    mem = installation.memory(Exported)
+    mem.identity, mem.identity_pid = tuple(sorted(labels)), os.getpid()
     for key in SERIES:
         count(key, 0)
     try:
@@ -254,12 +267,12 @@ def attach() -> None:
     directory is made by the first engine core that counts. First, once per process, removes
     the private directories of serving processes that are gone. Never raises.
     """
-    global _swept_pid
     try:
         if multiprocessing.parent_process() is not None:
             return
-        if _swept_pid != os.getpid():
-            _swept_pid = os.getpid()
+        mem = installation.memory(Exported)
+        if mem.swept_pid != os.getpid():
+            mem.swept_pid = os.getpid()
             metrics_sweep.sweep(keep=directories())
         if directories()[0]:
             return
@@ -277,12 +290,10 @@ def attach() -> None:
         _failed("metrics not attached", exc)
 
 
-_collector: Collector | None = None  # the one this process registered
-
-
 def _local_values() -> dict[tuple[Series, Labels], float]:
     with _lock:
-        return dict(_local.values) if _local is not None else {}
+        local = installation.memory(Exported).local
+        return dict(local.values) if local is not None else {}
 
 
 def _warn_once(message: str, *args: Any) -> None:
@@ -295,17 +306,17 @@ def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str
     Returns the directory it reads for ``attach`` (made later, by an engine core), or the
     in-memory sink for a process that counts without one.
     """
-    global _local, _collector
-    if _collector is None:
+    mem = installation.memory(Exported)
+    if mem.collector is None:
         registry = found[0].REGISTRY
         collector = Collector(found[2], _local_values, _warn_once)
         registry.register(collector)
-        _collector, _local = collector, Local()
+        mem.collector, mem.local = collector, Local()
         what = "the vllm_mamba_fix_* collector on prometheus_client's REGISTRY"
         revert = functools.partial(_unserve, registry, collector)
         installation.record(TAG, what, revert, registry, value=collector)
-    if directory and not _collector.directory:
-        _collector.directory = directory
+    if directory and not mem.collector.directory:
+        mem.collector.directory = directory
         owner = os.getpid()
 
         def remove() -> None:
@@ -315,16 +326,16 @@ def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str
         atexit.register(remove)
         removal = functools.partial(_remove_now, remove, directory)
         installation.record(TAG, f"the removal of {directory} at exit", removal)
-    return _collector.directory if directory is not None else _local
+    return mem.collector.directory if directory is not None else mem.local
 
 
 def _unserve(registry: Any, collector: Collector) -> None:
     """The undo of :func:`_serve_here`: the collector leaves ``registry``; counts made in this
     process afterwards choose their sink again."""
-    global _local, _collector
     with _lock:
-        if _collector is collector:
-            _collector, _local = None, None
+        mem = installation.memory(Exported)
+        if mem.collector is collector:
+            mem.collector, mem.local = None, None
     with contextlib.suppress(KeyError):  # someone else unregistered it
         registry.unregister(collector)
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_mamba_fix._log import fields, logger, say_once
+from vllm_mamba_fix._log import fields, logger
+from vllm_mamba_fix.changes import say_once
 from vllm_mamba_fix.facts.blocks import BlockUnit
 
 EVENT = "known-issue"

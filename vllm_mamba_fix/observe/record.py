@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.plan import Plan, Rule
 from vllm_mamba_fix.facts.blocks import BlockUnit
 from vllm_mamba_fix.facts.evidence import Evidence
@@ -108,7 +109,10 @@ class ClassRecord:
 
 
 _lock = threading.Lock()
-_records: dict[str, ClassRecord] = {}
+
+
+class Records(dict[str, ClassRecord]):
+    """The session's memory: each scheduler class's record, by its name."""
 
 
 def class_name(cls: type) -> str:
@@ -118,31 +122,28 @@ def class_name(cls: type) -> str:
 def remember(record: ClassRecord) -> bool:
     """Store ``record``; returns whether its class had none."""
     with _lock:
-        new = record.scheduler_class not in _records
-        _records[record.scheduler_class] = record
+        known = installation.memory(Records)
+        new = record.scheduler_class not in known
+        known[record.scheduler_class] = record
         return new
 
 
 def recorded(name: str) -> ClassRecord | None:
     with _lock:
-        return _records.get(name)
+        return installation.memory(Records).get(name)
 
 
 def note_block_unit(cls: type, unit: BlockUnit) -> None:
     """The block sizes a scheduler of ``cls`` settled at its first split."""
     with _lock:
-        found = _records.get(class_name(cls))
+        known = installation.memory(Records)
+        found = known.get(class_name(cls))
         if found is not None:
-            _records[found.scheduler_class] = dataclasses.replace(found, block=unit)
+            known[found.scheduler_class] = dataclasses.replace(found, block=unit)
     counters.record_block_unit(unit.mamba, unit.configured)  # the block-size gauges
 
 
 def records() -> tuple[ClassRecord, ...]:
     """What the plugin installed for each scheduler class built in this process."""
     with _lock:
-        return tuple(_records.values())
-
-
-def forget_all() -> None:
-    with _lock:
-        _records.clear()
+        return tuple(installation.memory(Records).values())

@@ -19,8 +19,12 @@ A new rule goes here: its module (with the header), its row in ``table.py``, its
 ``tests/rules/test_<module>.py``; its verdict in ``decide/policy.py`` (CONTRIBUTING.md,
 "Adding a rule").
 
-May import: ``observe``, ``decide``, ``facts`` and the bottom modules. Never ``install`` or
-``doctor``. The wrappers of the three rule-carrying methods (``split_rule``,
-``encoder_wrapper``, ``stall_end``) import none of one another, and no module of this folder
-passes anything to another through a scheduler's attributes.
+May import: ``observe``, ``decide``, ``facts``, the session (``changes``) and the bottom
+modules. Never ``install`` or ``doctor``. The wrappers of the three rule-carrying methods
+(``split_rule``, ``encoder_wrapper``, ``stall_end``) import none of one another. What the
+rules remember (the encoder note, streaks, named stalls, orders) is the session's
+(``installation.memory``), per scheduler weakly; the plugin's own scheduler attributes are
+the block unit and the settled split state (``split_settle.py`` sets them, ``split_rule.py``
+re-settles; both and ``block_unit.py`` read them), beside the block-unit rule's
+``cache_config`` view.
 """

@@ -9,32 +9,40 @@ chunk first and cuts second (vLLM #51603), so an encoder cut is never floored to
 The split alone cannot tell an encoder cut from a token-budget cut that happens to end
 before an image; the encoder check can. Its wrapper notes, per scheduler, the request it
 was asked about, where that request stood, how many tokens it was asked for and how many
-it gave; the split wrapper reads it (:data:`last`) for the same request at the same
-position. A note is overwritten by the next check, so it only ever describes the chunk the
-split is asked about now; it holds ids, never the objects. No vLLM import.
+it gave, in the session (:class:`EncoderNote`); the split wrapper reads it (:func:`last`) for
+the same request at the same position. A note is overwritten by the next check, so it only
+ever describes the chunk the split is asked about now; it holds ids, never the objects. No
+vLLM import.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from vllm_mamba_fix.changes import installation
 
 # The last check's answer: (id() of the scheduler asked, id() of the request, the request's
 # position when the check was asked, the tokens it was asked for (the chunk before any
 # encoder cut), the tokens it gave). Ids, so that the note holds no reference; a plain
 # tuple, since every call of the check writes one. vLLM asks the split right after the
 # check, on the same thread; a note of another scheduler or request (interleaved threads)
-# matches no split: stock's. The split rule reads it in place (split_rule.SplitRule).
+# matches no split: stock's. The split rule reads it (split_rule.SplitRule).
 EncoderCut = tuple[int, int, int, int, int]
-last: EncoderCut | None = None
+
+
+@dataclass
+class EncoderNote:
+    """The session's memory: the last check's answer."""
+
+    last: EncoderCut | None = None
 
 
 def note(scheduler: Any, request: Any, computed: int, asked: int, given: int) -> None:
     """The encoder check of ``scheduler`` gave ``given`` of ``asked`` tokens at ``computed``."""
-    global last
-    last = (id(scheduler), id(request), computed, asked, given)
+    installation.memory(EncoderNote).last = (id(scheduler), id(request), computed, asked, given)
 
 
-def forget() -> None:
-    """Drop the note (tests, and unregister())."""
-    global last
-    last = None
+def last() -> EncoderCut | None:
+    """The last check's answer, if any since the session began."""
+    return installation.memory(EncoderNote).last

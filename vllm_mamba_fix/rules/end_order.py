@@ -4,8 +4,8 @@ The data flows one way: the encoder-input check and the split tell the watchdog 
 the watchdog orders the end of a proven stall (:mod:`vllm_mamba_fix.rules.stall_watch` calls
 :func:`order_end`), and the stall end takes the orders at the safe point
 (:mod:`vllm_mamba_fix.rules.stall_end` calls :func:`take_orders`). Both import this module;
-neither imports the other. The orders are kept here, per scheduler and weakly, never on the
-scheduler's attributes. Reads vLLM's types only inside :func:`support`.
+neither imports the other. The orders are the session's (:class:`Orders`), per scheduler and
+weakly, never on the scheduler's attributes. Reads vLLM's types only inside :func:`support`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.stalls import Streak
 from vllm_mamba_fix.facts.targets import MARKER, UPDATE_METHOD
 
@@ -63,28 +64,25 @@ def support_of(scheduler: Any) -> str | None:
     return support(cls)
 
 
-# Per scheduler: request id -> EndOrder, carried out by the update wrapper.
-_orders: weakref.WeakKeyDictionary[Any, dict[str, EndOrder]] = weakref.WeakKeyDictionary()
+class Orders(weakref.WeakKeyDictionary[Any, dict[str, EndOrder]]):
+    """The session's memory: per scheduler, request id -> the order the update wrapper
+    carries out."""
 
 
 def order_end(scheduler: Any, order: EndOrder) -> None:
     """Leave ``order`` for the stall end of ``scheduler`` (its next ``update_from_output``)."""
-    _orders.setdefault(scheduler, {})[order.request_id] = order
+    installation.memory(Orders).setdefault(scheduler, {})[order.request_id] = order
 
 
 def take_orders(scheduler: Any) -> list[EndOrder]:
     """The orders left for ``scheduler``, taken: each is carried out once or dropped."""
-    if not _orders:
+    pending = installation.memory(Orders)
+    if not pending:
         return []
-    orders = _orders.pop(scheduler, None)
+    orders = pending.pop(scheduler, None)
     return list(orders.values()) if orders else []
 
 
 def ordered(scheduler: Any) -> frozenset[str]:
     """The requests of ``scheduler`` ordered to end and not yet ended."""
-    return frozenset(_orders.get(scheduler) or ())
-
-
-def forget_orders() -> None:
-    """Drop every order (unregister(), tests)."""
-    _orders.clear()
+    return frozenset(installation.memory(Orders).get(scheduler) or ())

@@ -177,8 +177,7 @@ def make_update_from_output_wrapper(
             except Exception as exc:
                 watch_failed(exc, None)
         outputs = original(self, scheduler_output, *args, **kwargs)
-        if counters.unsent:  # the step's corrections reach /metrics before its outputs
-            counters.send_counts()
+        counters.send_counts()  # the step's corrections reach /metrics before its outputs
         if ended:
             try:
                 _deliver(outputs, ended)

@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.decision import in_prefill_by_position
 from vllm_mamba_fix.decide.stalls import Streak, watchdog_due
 from vllm_mamba_fix.facts.blocks import known_block_size, longest_chunk
@@ -56,8 +57,10 @@ class _Watch:
     steps: int = 0
 
 
-# Per scheduler, weakly: its watch (the streaks of the stops counted there).
-_watches: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
+class Watches(weakref.WeakKeyDictionary[Any, _Watch]):
+    """The session's memory: per scheduler, weakly, its watch (the streaks counted there)."""
+
+
 Observer = Callable[[Any, Any], None]
 
 
@@ -68,9 +71,10 @@ def make_observer(watching: Watching) -> Observer:
     rule = watching.rule
 
     def observe(scheduler: Any, scheduler_output: Any) -> None:
-        watch = _watches.get(scheduler)
+        watches = installation.memory(Watches)
+        watch = watches.get(scheduler)
         if watch is None:
-            watch = _watches[scheduler] = _Watch(ZeroStreaks())
+            watch = watches[scheduler] = _Watch(ZeroStreaks())
         watch.steps += 1
         now = rule.clock()
         if now - watch.last < SAMPLE_SECONDS:
@@ -227,8 +231,3 @@ def speculative_zero(scheduler: Any, request: Any, position: int, streak: Streak
         if i not in held and offset + length > position:
             return False if offset - shift <= position else None
     return None
-
-
-def forget_watches() -> None:
-    """Drop every scheduler's watch and its streaks (unregister(), tests)."""
-    _watches.clear()

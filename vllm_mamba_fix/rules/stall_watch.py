@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import fields, logger
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.stalls import (
     CAUSE_TEXT,
     StallCause,
@@ -61,10 +62,12 @@ RECHECK_SECONDS = 1.0
 # The watchdog's time, read once per step by its look (rules/stall_look.py; ``now`` goes on
 # to decide/stalls.py's pure functions); tests put a clock they advance here.
 clock: Callable[[], float] = time.monotonic
-# Per scheduler, weakly: request id -> (store, streak) of each stall named there.
-_named: weakref.WeakKeyDictionary[Any, dict[str, tuple[ZeroStreaks, Streak]]] = (
-    weakref.WeakKeyDictionary()
-)
+
+
+class Named(weakref.WeakKeyDictionary[Any, dict[str, tuple[ZeroStreaks, Streak]]]):
+    """The session's memory: per scheduler, weakly, request id -> (store, streak) of each
+    stall named there."""
+
 
 # -- reading the scheduler ---------------------------------------------------------------
 
@@ -80,7 +83,7 @@ def _held_by_others(scheduler: Any, facts: OwnInputs | None) -> bool:
 
 def _named_stalls(scheduler: Any) -> dict[str, Stalled]:
     """The stalls named on ``scheduler`` still there (the others are forgotten)."""
-    named = _named.get(scheduler)
+    named = installation.memory(Named).get(scheduler)
     if not named:
         return {}
     stalled: dict[str, Stalled] = {}
@@ -181,7 +184,7 @@ def name_stall(scheduler: Any, request: Any, heard: Heard, speculative: bool | N
     streak.named_at = now
     streak.window_end = window_end
     _named_stalls(scheduler)  # forget the stalls that ended since
-    _named.setdefault(scheduler, {})[request.request_id] = (store, streak)
+    installation.memory(Named).setdefault(scheduler, {})[request.request_id] = (store, streak)
     counters.record_stall(request_id=request.request_id, stalled_for=now - streak.since)
     manager = scheduler.encoder_cache_manager
     budget = int(getattr(scheduler, "max_num_encoder_input_tokens", manager.cache_size))
@@ -279,8 +282,3 @@ def log_moving_again(request_id: str, position: int) -> None:
         position,
         extra=fields("stall-moved", request_id=request_id, position=position),
     )
-
-
-def forget_named() -> None:
-    """Drop every named stall (unregister(), tests)."""
-    _named.clear()

@@ -4,8 +4,9 @@ Two kinds of store count 0s per request: one per encoder-check wrapper (its 0s, 
 speculative-stall rule's repeat) and one per scheduler the watchdog samples (the stops it
 counted, :mod:`vllm_mamba_fix.rules.stall_watch`). A streak
 is plain data (:class:`vllm_mamba_fix.decide.stalls.Streak`); when a 0 is a stall is
-decided there, from plain numbers. The stores are process state, so they live here, with
-the rules that fill them, and not in ``decide/``. Every store is known to
+decided there, from plain numbers. The stores are state, so they live here, with the rules
+that fill them, and not in ``decide/``. Every store is known to the session
+(:class:`Stores`, :meth:`vllm_mamba_fix.changes.Changes.memory`) and so to
 :func:`forget_request`, which vLLM's freeing of a request calls: no streak outlives its
 request. No vLLM import.
 """
@@ -15,7 +16,9 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.stalls import Streak
 
 MAX_TRACKED_REQUESTS = 4096
@@ -30,7 +33,7 @@ class ZeroStreaks:
         self.by_request: OrderedDict[str, Streak] = OrderedDict()
         self._capacity = capacity
         self._lock = threading.Lock()
-        _all_stores.add(self)
+        installation.memory(Stores).all.add(self)
 
     def zero(
         self, request_id: str, position: int, now: float, steps: int = 1
@@ -61,16 +64,21 @@ class ZeroStreaks:
             return self.by_request.pop(request_id, None)
 
 
-_all_stores: weakref.WeakSet[ZeroStreaks] = weakref.WeakSet()
+@dataclass
+class Stores:
+    """The session's memory of every store (held weakly)."""
+
+    all: weakref.WeakSet[ZeroStreaks] = field(default_factory=weakref.WeakSet)
 
 
 def forget_request(request_id: str) -> None:
     """The request is finished or aborted: drop its streaks everywhere."""
-    for store in list(_all_stores):
+    for store in list(installation.memory(Stores).all):
         if store.by_request:
             store.clear(request_id)
 
 
 def tracked_requests() -> set[str]:
     """Requests with a streak in any store (for tests and doctor)."""
-    return {rid for store in list(_all_stores) for rid in list(store.by_request)}
+    stores = list(installation.memory(Stores).all)
+    return {rid for store in stores for rid in list(store.by_request)}
