@@ -69,7 +69,6 @@ def probe() -> dict[str, Any]:
     from tools import scenarios as sc
     from tools import sched_harness as harness
     from vllm_mamba_fix.facts.versions import family_for
-    from vllm_mamba_fix.observe.counters import reset as reset_counters
 
     version = harness.vllm_version()
     family = family_for(version)
@@ -122,9 +121,8 @@ def probe() -> dict[str, Any]:
             patched[m] = {s.name: s.run(by_name[m]) for s in scenarios}
             after = vllm_mamba_fix.stats()
             per_mode[m]["actions"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        # Also cancels the exit summary: pytest has closed its streams by then.
         harness.unload_plugin()
-        # pytest has closed its streams by the time the exit summary would be logged.
-        reset_counters()
     finally:
         for key, value in saved.items():
             os.environ.pop(key, None)

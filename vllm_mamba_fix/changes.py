@@ -12,8 +12,8 @@ newest first, once. :data:`installation` is the process's one record: the module
 
 It also holds everything the plugin remembers, as pytest's ``MonkeyPatch`` holds its changes:
 each concern's memory is a small class its own module defines (counts, named stalls, end
-orders, the encoder note, metrics identity, install records...), made on first use by
-:meth:`Changes.memory`, and the lines :func:`say_once` said. Closing forgets all of it, so
+orders, the encoder note, metrics identity, install records...), made on first use in
+:class:`Memory`, and the lines :func:`say_once` said. Closing forgets all of it, so
 no module keeps state of its own and a new ``register()`` starts as in a fresh process.
 
 A change that someone else has overwritten since is left as they left it: a class attribute
@@ -33,7 +33,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 # The plugin's logger and its records' field prefix, as _log.py names them (a test holds them
 # equal): this module imports nothing of the plugin, so the session lengthens no chain of
@@ -41,7 +41,6 @@ from typing import Any, TypeVar
 _logger = logging.getLogger("vllm.mamba_fix")
 _FIELD_PREFIX = "vllm_mamba_fix_"
 _MISSING: Any = object()
-_Memory = TypeVar("_Memory")
 INSTANCE_TAG = "instance attributes"
 
 
@@ -76,32 +75,25 @@ def _type_name(instance: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+class Memory(dict[type, Any]):
+    """Each concern's memory by its class: ``memory[Kind]`` is ``Kind()``, made on first use.
+    A hit runs no Python code (the split's and every step's paths read it per call)."""
+
+    def __missing__(self, kind: type) -> Any:
+        return self.setdefault(kind, kind())  # one instance, whichever thread makes it
+
+
 class Changes:
-    """The record of the plugin's changes to this process, and their undo."""
+    """The plugin's session: its changes to this process, their undo, and its memory."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._changes: list[Change] = []
         self._instances: dict[int, _Owned] = {}  # id(instance) -> what the plugin set there
-        self._memory: dict[type, Any] = {}  # each concern's memory, by its class
+        self.memory = Memory()  # until close()
         self._said: set[str] = set()  # the lines say_once said
-        self._said_lock = threading.Lock()
 
     # -- memory -------------------------------------------------------------------------
-
-    def memory(self, kind: type[_Memory]) -> _Memory:
-        """The plugin's memory of one concern: ``kind()``, made on first use, until close().
-        No lock once made: the hot paths (the split, every step) read it per call."""
-        try:
-            return self._memory[kind]  # type: ignore[no-any-return]
-        except KeyError:
-            with self._lock:
-                return self._memory.setdefault(kind, kind())  # type: ignore[no-any-return]
-
-    def forget(self, kind: type) -> None:
-        """Forget one concern's memory (its next use starts afresh)."""
-        with self._lock:
-            self._memory.pop(kind, None)
 
     def say_once(
         self, level: int, message: str, *args: Any, event: str | None = "setup", **facts: Any
@@ -113,7 +105,7 @@ class Changes:
         ``event=None``: none. :meth:`close` forgets what was said, so a new ``register()``
         says it again.
         """
-        with self._said_lock:
+        with self._lock:
             if message in self._said:
                 return False
             self._said.add(message)
@@ -133,9 +125,7 @@ class Changes:
         """
         undone = self.undo()
         with self._lock:
-            self._memory = {}
-        with self._said_lock:
-            self._said = set()
+            self.memory, self._said = Memory(), set()
         return undone
 
     # -- recording ------------------------------------------------------------------------

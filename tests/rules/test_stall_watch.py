@@ -112,7 +112,7 @@ def observer(end_after: float | None) -> Any:
 
 
 def streak_of(scheduler: Any, rid: str = "r") -> Any:
-    watch = installation.memory(stall_look.Watches).get(scheduler)
+    watch = installation.memory[stall_look.Watches].get(scheduler)
     return None if watch is None else watch.store.by_request.get(rid)
 
 
@@ -248,8 +248,8 @@ def test_the_named_stalls_live_beside_the_scheduler_not_on_it(clock: Clock) -> N
     del scheduler
     gc.collect()
     assert gone() is None
-    assert len(installation.memory(stall_watch.Named)) == 0
-    assert len(installation.memory(stall_look.Watches)) == 0
+    assert len(installation.memory[stall_watch.Named]) == 0
+    assert len(installation.memory[stall_look.Watches]) == 0
 
 
 def test_a_freed_request_leaves_no_streak(clock: Clock) -> None:

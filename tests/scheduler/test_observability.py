@@ -13,7 +13,6 @@ from tools import scenarios as sc
 from tools.release_facts import facts_for
 from vllm_mamba_fix import records, stats
 from vllm_mamba_fix.facts.versions import Family
-from vllm_mamba_fix.observe.counters import reset
 
 COUNTER_OF_ACTION = {
     "collapse-prevented": "collapses_prevented",
@@ -26,7 +25,6 @@ COUNTER_OF_ACTION = {
 def affected_release(family: Family) -> None:
     if not facts_for(family).image_deadlock:
         pytest.skip(f"family {family.name}: the plugin does not correct anything by default")
-    reset()
 
 
 def _corrections(records: list[logging.LogRecord]) -> list[tuple[int, str, str]]:

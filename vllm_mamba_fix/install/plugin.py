@@ -142,7 +142,7 @@ def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, dict[str, Any], E
 def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, version: str) -> None:
     try:
         with _lock:
-            setup = installation.memory(Setup)
+            setup = installation.memory[Setup]
             base = defined_scheduler(module)
             if not isinstance(base, type):
                 say_once(logging.WARNING, f"{module.__name__} has no Scheduler class; not patching")
@@ -210,7 +210,7 @@ def _on_scheduler_built(scheduler: Any) -> None:
     set_block_unit(scheduler, unit)
     found = check_class(type(scheduler), unit, _split_idle(scheduler, unit))
     # The info series' labels: versions, rules, settings.
-    done = installation.memory(Setup).installed
+    done = installation.memory[Setup].installed
     info = None if done is None else series.info_labels(found, done.settings, done.version)
     metrics.prepare(scheduler, info, counters.standing_stalls())  # not without Mamba groups
     mtp_tokens.warn_once(scheduler, unit, class_name(type(scheduler)))  # vLLM #53912
@@ -229,7 +229,7 @@ def check_class(
     settled before keeps its settlement; only the facts of the scheduler built last change.
     """
     with _lock:
-        setup = installation.memory(Setup)
+        setup = installation.memory[Setup]
         installed = setup.installed
         if installed is None:
             return None
@@ -275,14 +275,14 @@ def _settle_class(cls: type, installed: _Installed) -> ClassRecord:
             lambda owner, name=name: options_of(owner).get(name) is not None,
         )
     methods = tuple(settled.values())
-    installation.memory(Setup).settled[class_name(cls)] = cls
+    installation.memory[Setup].settled[class_name(cls)] = cls
     _refresh_others(cls, installed)
     return ClassRecord(class_name(cls), decided, evidence, methods)
 
 
 def _refresh_others(settled: type, installed: _Installed) -> None:
     """Settling ``settled`` may have put a wrapper on a base of classes settled before."""
-    setup = installation.memory(Setup)
+    setup = installation.memory[Setup]
     for name, cls in list(setup.settled.items()):
         found = record.recorded(name)
         if cls is settled or found is None:

@@ -37,7 +37,6 @@ def report_to(sink: Sink | None) -> None:
     """Send every count to ``sink`` as well (plugin.py hands it metrics.py)."""
     global metrics
     with _lock:
-        installation.memory(Tally).unsent.clear()  # counted for the sink taken down
         metrics = sink
 
 
@@ -95,12 +94,12 @@ class Tally:
 def stats() -> dict[str, int]:
     """This process's counters (facts such as the block unit: :func:`vllm_mamba_fix.records`)."""
     with _lock:
-        return dict(installation.memory(Tally).counts)
+        return dict(installation.memory[Tally].counts)
 
 
 def _count(key: str) -> None:
     with _lock:
-        installation.memory(Tally).counts[key] += 1
+        installation.memory[Tally].counts[key] += 1
     if metrics is not None:
         metrics.count(key)
 
@@ -110,7 +109,7 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
     that corrects never writes a metrics file), logged once per request at INFO."""
     key = ACTION_KEYS[action]
     totals = None
-    tally = installation.memory(Tally)
+    tally = installation.memory[Tally]
     with _lock:
         tally.counts[key] += 1
         if metrics is not None:
@@ -150,9 +149,13 @@ def _send_soon(tally: Tally) -> None:
     timer = threading.Timer(SEND_SECONDS, _timer_ends, (tally,))
     timer.daemon = True
     timer.start()
-    if tally.finalizer_pid != tally.sender_pid:
-        tally.finalizer_pid = tally.sender_pid
-        _at_exit(send_counts, 20, "the send of the counts left at exit")
+    if tally.finalizer_pid != tally.sender_pid:  # set at install: a forked child's first count
+        _send_at_exit(tally)
+
+
+def _send_at_exit(tally: Tally) -> None:
+    tally.finalizer_pid = os.getpid()
+    _at_exit(send_counts, 20, "the send of the counts left at exit")
 
 
 def _at_exit(call: Callable[[], None], priority: int, what: str) -> None:
@@ -174,7 +177,7 @@ def _timer_ends(tally: Tally) -> None:
 def send_counts() -> None:
     """Send the corrections counted since the last send to metrics (the timer's, the end of a
     step's, at exit, and tests that read metrics at once). Cheap when none. Never raises."""
-    tally = installation.memory(Tally)
+    tally = installation.memory[Tally]
     if tally.unsent:
         _send(tally)
 
@@ -211,7 +214,7 @@ def record_stall(
     _count("stalls_resolved" if resolved else "stalls_detected")
     if request_id is None:
         return
-    standing = installation.memory(Tally).standing
+    standing = installation.memory[Tally].standing
     with _lock:
         if resolved:
             standing.pop(request_id, None)
@@ -228,7 +231,7 @@ def record_stall_ended(request_id: str | None = None) -> None:
 
 def stall_gone(request_id: str | None) -> None:
     """The request finished or was freed: a stall of it stands no more (cheap when none)."""
-    standing = installation.memory(Tally).standing
+    standing = installation.memory[Tally].standing
     if request_id not in standing:
         return
     with _lock:
@@ -238,7 +241,7 @@ def stall_gone(request_id: str | None) -> None:
 
 def standing_stalls() -> tuple[int, float]:
     """How many named stalls stand now, and the wall-clock start of the oldest (0.0: none)."""
-    standing = installation.memory(Tally).standing
+    standing = installation.memory[Tally].standing
     with _lock:
         return len(standing), min(standing.values(), default=0.0)
 
@@ -275,14 +278,16 @@ def log_summary() -> None:
 
 
 def register_shutdown_summary() -> None:
-    """Log the summary at exit, in engine-core subprocesses too.
+    """Log the summary and send the counts left at exit, in engine-core subprocesses too.
 
     multiprocessing's finalizers run both at interpreter exit and when a
     multiprocessing child ends (where ``atexit`` does not run after a fork).
     """
-    tally = installation.memory(Tally)
+    tally = installation.memory[Tally]
     with _lock:
         if tally.summary_pid == os.getpid():
             return
         tally.summary_pid = os.getpid()
+        if tally.finalizer_pid != tally.summary_pid:  # here, not in a split that corrects
+            _send_at_exit(tally)
     _at_exit(log_summary, 10, "the summary at exit")

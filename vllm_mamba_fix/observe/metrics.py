@@ -127,7 +127,7 @@ def _sink_here() -> Writer | Local | None:
     counts if it serves them; then the directory an API server handed down; else this
     process serves its own (an engine in a process no API server started).
     """
-    mem = installation.memory(Exported)
+    mem = installation.memory[Exported]
     pid = os.getpid()
     if mem.writer is not None and mem.writer.pid == pid:
         return mem.writer
@@ -173,14 +173,14 @@ def count(key: str, amount: int = 1) -> None:
         if series is None:
             say_once(logging.DEBUG, "no metric for the count %r", key, event=None)
             return
-        labels = installation.memory(Exported).identity
+        labels = installation.memory[Exported].identity
         _put(series, with_labels(series, labels), amount, add=True)
     except Exception as exc:
         _failed("metrics not written", exc)
 
 
 def _set(series: Series, value: float, extra: Labels = ()) -> None:
-    mem = installation.memory(Exported)
+    mem = installation.memory[Exported]
     if mem.identity_pid == os.getpid():
         _put(series, with_labels(series, (*mem.identity, *extra)), float(value), add=False)
 
@@ -245,7 +245,7 @@ def prepare_engine(
     """This process is the engine core of ``labels`` (vLLM's ``engine`` and ``model_name``):
     every counter at 0, the info series (``info`` its own labels), the block sizes and the
     stalls standing now. Never raises."""
-    mem = installation.memory(Exported)
+    mem = installation.memory[Exported]
     mem.identity, mem.identity_pid = tuple(sorted(labels)), os.getpid()
     for key in SERIES:
         count(key, 0)
@@ -270,7 +270,7 @@ def attach() -> None:
     try:
         if multiprocessing.parent_process() is not None:
             return
-        mem = installation.memory(Exported)
+        mem = installation.memory[Exported]
         if mem.swept_pid != os.getpid():
             mem.swept_pid = os.getpid()
             metrics_sweep.sweep(keep=directories())
@@ -292,7 +292,7 @@ def attach() -> None:
 
 def _local_values() -> dict[tuple[Series, Labels], float]:
     with _lock:
-        local = installation.memory(Exported).local
+        local = installation.memory[Exported].local
         return dict(local.values) if local is not None else {}
 
 
@@ -306,7 +306,7 @@ def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str
     Returns the directory it reads for ``attach`` (made later, by an engine core), or the
     in-memory sink for a process that counts without one.
     """
-    mem = installation.memory(Exported)
+    mem = installation.memory[Exported]
     if mem.collector is None:
         registry = found[0].REGISTRY
         collector = Collector(found[2], _local_values, _warn_once)
@@ -333,7 +333,7 @@ def _unserve(registry: Any, collector: Collector) -> None:
     """The undo of :func:`_serve_here`: the collector leaves ``registry``; counts made in this
     process afterwards choose their sink again."""
     with _lock:
-        mem = installation.memory(Exported)
+        mem = installation.memory[Exported]
         if mem.collector is collector:
             mem.collector, mem.local = None, None
     with contextlib.suppress(KeyError):  # someone else unregistered it

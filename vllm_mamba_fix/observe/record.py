@@ -122,7 +122,7 @@ def class_name(cls: type) -> str:
 def remember(record: ClassRecord) -> bool:
     """Store ``record``; returns whether its class had none."""
     with _lock:
-        known = installation.memory(Records)
+        known = installation.memory[Records]
         new = record.scheduler_class not in known
         known[record.scheduler_class] = record
         return new
@@ -130,13 +130,13 @@ def remember(record: ClassRecord) -> bool:
 
 def recorded(name: str) -> ClassRecord | None:
     with _lock:
-        return installation.memory(Records).get(name)
+        return installation.memory[Records].get(name)
 
 
 def note_block_unit(cls: type, unit: BlockUnit) -> None:
     """The block sizes a scheduler of ``cls`` settled at its first split."""
     with _lock:
-        known = installation.memory(Records)
+        known = installation.memory[Records]
         found = known.get(class_name(cls))
         if found is not None:
             known[found.scheduler_class] = dataclasses.replace(found, block=unit)
@@ -146,4 +146,4 @@ def note_block_unit(cls: type, unit: BlockUnit) -> None:
 def records() -> tuple[ClassRecord, ...]:
     """What the plugin installed for each scheduler class built in this process."""
     with _lock:
-        return tuple(installation.memory(Records).values())
+        return tuple(installation.memory[Records].values())

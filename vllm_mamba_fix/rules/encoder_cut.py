@@ -9,7 +9,7 @@ chunk first and cuts second (vLLM #51603), so an encoder cut is never floored to
 The split alone cannot tell an encoder cut from a token-budget cut that happens to end
 before an image; the encoder check can. Its wrapper notes, per scheduler, the request it
 was asked about, where that request stood, how many tokens it was asked for and how many
-it gave, in the session (:class:`EncoderNote`); the split wrapper reads it (:func:`last`) for
+it gave, in the session (:class:`EncoderNote`); the split wrapper reads it in place for
 the same request at the same position. A note is overwritten by the next check, so it only
 ever describes the chunk the split is asked about now; it holds ids, never the objects. No
 vLLM import.
@@ -40,9 +40,4 @@ class EncoderNote:
 
 def note(scheduler: Any, request: Any, computed: int, asked: int, given: int) -> None:
     """The encoder check of ``scheduler`` gave ``given`` of ``asked`` tokens at ``computed``."""
-    installation.memory(EncoderNote).last = (id(scheduler), id(request), computed, asked, given)
-
-
-def last() -> EncoderCut | None:
-    """The last check's answer, if any since the session began."""
-    return installation.memory(EncoderNote).last
+    installation.memory[EncoderNote].last = (id(scheduler), id(request), computed, asked, given)

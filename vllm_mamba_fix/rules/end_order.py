@@ -71,12 +71,12 @@ class Orders(weakref.WeakKeyDictionary[Any, dict[str, EndOrder]]):
 
 def order_end(scheduler: Any, order: EndOrder) -> None:
     """Leave ``order`` for the stall end of ``scheduler`` (its next ``update_from_output``)."""
-    installation.memory(Orders).setdefault(scheduler, {})[order.request_id] = order
+    installation.memory[Orders].setdefault(scheduler, {})[order.request_id] = order
 
 
 def take_orders(scheduler: Any) -> list[EndOrder]:
     """The orders left for ``scheduler``, taken: each is carried out once or dropped."""
-    pending = installation.memory(Orders)
+    pending = installation.memory[Orders]
     if not pending:
         return []
     orders = pending.pop(scheduler, None)
@@ -85,4 +85,4 @@ def take_orders(scheduler: Any) -> list[EndOrder]:
 
 def ordered(scheduler: Any) -> frozenset[str]:
     """The requests of ``scheduler`` ordered to end and not yet ended."""
-    return frozenset(installation.memory(Orders).get(scheduler) or ())
+    return frozenset(installation.memory[Orders].get(scheduler) or ())

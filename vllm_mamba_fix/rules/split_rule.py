@@ -360,7 +360,8 @@ class SplitRule:
     def _uncut_answer(self, call: SplitCall, start: int) -> int | None:
         """Where the encoder check cut exactly this chunk: vLLM's split of the chunk the check
         was asked for (0.28's order: its look-ahead shift is in the cut already). Else None."""
-        note = encoder_cut.last()  # (scheduler id, request id, position, asked, given)
+        # (scheduler id, request id, position, asked, given)
+        note = installation.memory[encoder_cut.EncoderNote].last
         if note is None:
             return None
         scheduler, request, asked = call.scheduler, call.request, call.asked

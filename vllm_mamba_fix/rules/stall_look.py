@@ -71,7 +71,7 @@ def make_observer(watching: Watching) -> Observer:
     rule = watching.rule
 
     def observe(scheduler: Any, scheduler_output: Any) -> None:
-        watches = installation.memory(Watches)
+        watches = installation.memory[Watches]
         watch = watches.get(scheduler)
         if watch is None:
             watch = watches[scheduler] = _Watch(ZeroStreaks())

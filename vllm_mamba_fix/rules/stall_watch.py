@@ -83,7 +83,7 @@ def _held_by_others(scheduler: Any, facts: OwnInputs | None) -> bool:
 
 def _named_stalls(scheduler: Any) -> dict[str, Stalled]:
     """The stalls named on ``scheduler`` still there (the others are forgotten)."""
-    named = installation.memory(Named).get(scheduler)
+    named = installation.memory[Named].get(scheduler)
     if not named:
         return {}
     stalled: dict[str, Stalled] = {}
@@ -184,7 +184,7 @@ def name_stall(scheduler: Any, request: Any, heard: Heard, speculative: bool | N
     streak.named_at = now
     streak.window_end = window_end
     _named_stalls(scheduler)  # forget the stalls that ended since
-    installation.memory(Named).setdefault(scheduler, {})[request.request_id] = (store, streak)
+    installation.memory[Named].setdefault(scheduler, {})[request.request_id] = (store, streak)
     counters.record_stall(request_id=request.request_id, stalled_for=now - streak.since)
     manager = scheduler.encoder_cache_manager
     budget = int(getattr(scheduler, "max_num_encoder_input_tokens", manager.cache_size))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.stalls import Streak
@@ -33,7 +32,7 @@ class ZeroStreaks:
         self.by_request: OrderedDict[str, Streak] = OrderedDict()
         self._capacity = capacity
         self._lock = threading.Lock()
-        installation.memory(Stores).all.add(self)
+        installation.memory[Stores].add(self)
 
     def zero(
         self, request_id: str, position: int, now: float, steps: int = 1
@@ -64,21 +63,18 @@ class ZeroStreaks:
             return self.by_request.pop(request_id, None)
 
 
-@dataclass
-class Stores:
+class Stores(weakref.WeakSet[ZeroStreaks]):
     """The session's memory of every store (held weakly)."""
-
-    all: weakref.WeakSet[ZeroStreaks] = field(default_factory=weakref.WeakSet)
 
 
 def forget_request(request_id: str) -> None:
     """The request is finished or aborted: drop its streaks everywhere."""
-    for store in list(installation.memory(Stores).all):
+    for store in list(installation.memory[Stores]):
         if store.by_request:
             store.clear(request_id)
 
 
 def tracked_requests() -> set[str]:
     """Requests with a streak in any store (for tests and doctor)."""
-    stores = list(installation.memory(Stores).all)
+    stores = list(installation.memory[Stores])
     return {rid for store in stores for rid in list(store.by_request)}
