@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from typing import Any
 
@@ -13,6 +14,7 @@ from tools import scenarios as sc
 from tools.release_facts import facts_for
 from vllm_mamba_fix import records, stats
 from vllm_mamba_fix.facts.versions import Family
+from vllm_mamba_fix.observe import counters
 
 COUNTER_OF_ACTION = {
     "collapse-prevented": "collapses_prevented",
@@ -69,6 +71,50 @@ def test_corrections_are_counted_and_logged_once_per_request_at_info(
     info = [r.getMessage() for r in plugin_log.records if r.levelno == logging.INFO]
     totals = [m for m in info if "scheduling" in m and "this process so far: " in m]
     assert len(totals) == len(info_ids)  # the running totals ride on each first line
+
+
+class _Sent:
+    """Where counters sends its counts (metrics.py's place): what reached it."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def count(self, key: str, amount: int = 1) -> None:
+        self.counts[key] += amount
+
+    def stalls(self, standing: int, oldest_start: float) -> None:
+        pass
+
+    def block_sizes(self, mamba: int | None, split: int | None) -> None:
+        pass
+
+
+def test_steps_send_their_corrections_without_a_timer_thread(
+    load_plugin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step's corrections are sent at its end by the update_from_output wrapper; a
+    process whose steps send starts no timer thread (0.5.0 started one a second)."""
+    assert load_plugin()
+    timers: list[str] = []
+    start = threading.Thread.start
+
+    def starting(thread: threading.Thread) -> None:
+        if isinstance(thread, threading.Timer):
+            timers.append(thread.name)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", starting)
+    sent, before = _Sent(), counters.metrics
+    counters.report_to(sent)
+    try:
+        result = sc.QUEUE.run()
+    finally:
+        counters.report_to(before)
+    assert result.completed
+    corrected = {key: n for key, n in stats().items() if key in counters.ACTION_KEYS.values()}
+    assert sum(corrected.values()) > 0
+    assert {key: sent.counts[key] for key in corrected} == corrected  # all sent, none left
+    assert timers == []
 
 
 def test_third_party_scope_rule_is_honoured(

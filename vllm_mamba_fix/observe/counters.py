@@ -83,10 +83,11 @@ class Tally:
     standing: dict[str, float] = field(default_factory=dict)
     # Corrections counted and not yet sent to metrics (send_counts; the update_from_output
     # wrapper sends them at the end of the step that counted them), the process whose timer
-    # will send them (None: no timer pending), whose exit sends the rest, and whose exit logs
-    # the summary.
+    # will send them (None: no timer pending; none where steps send), whose exit sends the
+    # rest, and whose exit logs the summary.
     unsent: dict[str, int] = field(default_factory=dict)
     sender_pid: int | None = None
+    step_sender_pid: int | None = None  # the process whose steps end with a send (no timer)
     finalizer_pid: int | None = None
     summary_pid: int | None = None
 
@@ -105,8 +106,9 @@ def _count(key: str) -> None:
 
 
 def record(action: Action, request_id: str, start: int, num_tokens: int, block_size: int) -> None:
-    """A correction: counted now, sent to metrics within :data:`SEND_SECONDS` (a split call
-    that corrects never writes a metrics file), logged once per request at INFO."""
+    """A correction: counted now, sent to metrics at the end of its step (else within
+    :data:`SEND_SECONDS`; a split call that corrects never writes a metrics file), logged once
+    per request at INFO."""
     key = ACTION_KEYS[action]
     totals = None
     tally = installation.memory[Tally]
@@ -114,7 +116,8 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
         tally.counts[key] += 1
         if metrics is not None:
             tally.unsent[key] = tally.unsent.get(key, 0) + 1
-            if tally.sender_pid != os.getpid():
+            pid = os.getpid()
+            if tally.sender_pid != pid and tally.step_sender_pid != pid:
                 _send_soon(tally)
         logged = tally.logged_requests
         if action not in _QUIET and request_id not in logged:
@@ -172,6 +175,16 @@ def _timer_ends(tally: Tally) -> None:
     with _lock:
         tally.sender_pid = None
     _send(tally)
+
+
+def step_ends() -> None:
+    """The end of a scheduler step (the update_from_output wrapper): the step's corrections
+    are sent before its outputs, and this process's counts need no timer thread from now on
+    (one thread start a second cost an engaged step about 1%)."""
+    tally = installation.memory[Tally]
+    tally.step_sender_pid = os.getpid()
+    if tally.unsent:
+        _send(tally)
 
 
 def send_counts() -> None:

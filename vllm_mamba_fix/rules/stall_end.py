@@ -177,7 +177,7 @@ def make_update_from_output_wrapper(
             except Exception as exc:
                 watch_failed(exc, None)
         outputs = original(self, scheduler_output, *args, **kwargs)
-        counters.send_counts()  # the step's corrections reach /metrics before its outputs
+        counters.step_ends()  # the step's corrections reach /metrics before its outputs
         if ended:
             try:
                 _deliver(outputs, ended)
