@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -34,7 +34,7 @@ from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.facts.blocks import BlockUnit, unit_of_scheduler
 from vllm_mamba_fix.facts.config import Settings, load_settings
 from vllm_mamba_fix.facts.evidence import Evidence, read_evidence
-from vllm_mamba_fix.facts.targets import INIT_METHOD, SPLIT_METHOD, defined_scheduler
+from vllm_mamba_fix.facts.targets import FREE_METHOD, INIT_METHOD, SPLIT_METHOD, defined_scheduler
 from vllm_mamba_fix.facts.versions import Family, family_for
 from vllm_mamba_fix.install import import_hook, patch, stream_end
 from vllm_mamba_fix.observe import counters, metrics, mtp_tokens, record, series
@@ -69,6 +69,11 @@ class _Installed:
     scope: ScopePolicy
     # Base methods whose shape kept them stock, already said at install time.
     unpatchable_on_base: frozenset[str] = frozenset()
+    # Each class's plan, read once per installation: reading vLLM's code is most of the
+    # patch's cost, and settling the base reads the base again.
+    plans: dict[tuple[Any, ...], tuple[Plan, dict[str, Any], Evidence]] = field(
+        default_factory=dict, compare=False
+    )
 
 
 _installed: _Installed | None = None
@@ -128,11 +133,17 @@ def _register(settings: Settings) -> Any:
 
 
 def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, dict[str, Any], Evidence]:
-    """``cls``'s plan from its own code, and its wrappers' options."""
+    """``cls``'s plan from its own code, and its wrappers' options (read once per class)."""
+    # The code read: a class whose schedule() or free is replaced later is read again.
+    key = (cls, getattr(cls, "schedule", None), getattr(cls, FREE_METHOD, None))
+    known = installed.plans.get(key)
+    if known is not None:
+        return known
     evidence = read_evidence(cls)
     decided = rules.plan(installed.settings, installed.family, evidence)
     facts = Facts(installed.settings, installed.family, evidence)
     options = rules.options_for(decided, facts, installed.scope)
+    installed.plans[key] = (decided, options, evidence)
     return decided, options, evidence
 
 
