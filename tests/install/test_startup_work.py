@@ -70,7 +70,8 @@ def _probe(case: str, env: dict[str, str] | None = None) -> dict[str, object]:
 def test_register_reads_the_scheduler_once_and_leaves_pluggy_alone(case: str) -> None:
     found = _probe(case)
     assert found["patched"] is True, found
-    assert found["problem"] is None and found["split_after_encoder"] is True, found
+    # Read, not unknown (its value per release: tests/scheduler/test_evidence.py).
+    assert found["problem"] is None and found["split_after_encoder"] in (True, False), found
     assert found["pluggy"] is False, found  # no scope rule installed: no manager to build
     assert found["read_evidence"] == 1, found  # the base, once (its settling reuses it)
     assert found["getsource"] == 0, found  # read from the code objects' line spans
