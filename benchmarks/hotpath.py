@@ -463,8 +463,9 @@ def _result(value: Any) -> Any:
 
 
 def scope_load() -> dict[str, Any]:
-    """What the plugin runs: ``ScopePolicy.load()`` once when it patches the scheduler (builds
-    the pluggy manager, scans the entry points), then scope checks inside schedule() steps.
+    """What the plugin runs: ``ScopePolicy.load()`` once when it patches the scheduler (reads
+    the installed entry points; builds pluggy's manager only where a scope rule is installed),
+    then scope checks inside schedule() steps.
 
     Timed on a policy of the installed wrapper's scope, loaded the way the plugin loads it;
     ``installed_loaded`` says whether the plugin's own policy was loaded by the patch."""

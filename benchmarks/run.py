@@ -422,8 +422,8 @@ def _hot_rows(hot: dict[str, Any], row: Any) -> None:
         engaged.rows(hot["engaged"], row)
     scope = hot.get("scope_load")
     if scope:
-        row("1 hot path", "scope rules: ScopePolicy.load() when the plugin patches (builds "
-            "the pluggy manager, scans entry points); scope checks in a step after it",
+        row("1 hot path", "scope rules: ScopePolicy.load() when the plugin patches (reads "
+            "the entry points; pluggy's manager only for a scope rule); scope checks after it",
             f"load {fmt(scope['load_us'] / 1e3, 2)} ms once, at patch time; first check "
             f"{fmt(scope['first_us'], 1)} us, later {fmt(scope['later_us'], 1)} us; installed "
             f"policy loaded by the patch: {scope['installed_loaded']}")  # fmt: skip

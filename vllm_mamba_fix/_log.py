@@ -39,6 +39,8 @@ FIELDS: dict[str, str] = {
     "vllm_version": "vLLM's version",
     "family": "the vLLM family the release belongs to",
     "scope": "VLLM_MAMBA_FIX_SCOPE in effect",
+    "reasons": "why each rule runs or is left out, by rule (basis: reason)",
+    "settings": "the settings away from their defaults, by short name (scope, stall_seconds...)",
     "vllm_issue": "the upstream vLLM issue a known-issue record names",
 }
 EVENTS: dict[str, str] = {

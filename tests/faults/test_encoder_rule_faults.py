@@ -9,6 +9,7 @@ what is patched.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import pytest
 
 import vllm_mamba_fix
+from tests.active_line import parse_active
+from tests.conftest import facts_of
 from tests.faults.conftest import (
     BLOCK,
     FIXED_SCHEDULER,
@@ -58,9 +61,12 @@ def test_unexpected_encoder_signature_leaves_that_method_stock(
     (warning,) = logs.warnings
     assert "not installing speculative-stall:" in warning and "stall-watchdog" not in warning
     assert "unexpected signature" in warning and "computed, n, budget, shift" in warning
-    (active,) = [line for line in logs.visible if " active: " in line]
-    assert "carries split [" in active and "wraps" in active
-    assert f"Scheduler.{METHOD}" in active and ENCODER not in active
+    (active,) = [r for r in logs.at_least(logging.INFO) if " active: " in r.getMessage()]
+    parsed = parse_active(active.getMessage())
+    assert parsed is not None and parsed.rules[0] == "split", active.getMessage()
+    wraps = facts_of(active)["wraps"]  # the methods wrapped: in the fields, not on the line
+    assert any(w.endswith(f"Scheduler.{METHOD}") for w in wraps), wraps
+    assert not any(ENCODER in w for w in wraps), wraps
     assert not patch.is_wrapped(module.Scheduler, ENCODER)
     assert patch.is_wrapped(module.Scheduler)
 
@@ -190,9 +196,13 @@ def test_code_evidence_patches_a_pre_fix_dev_build(
     register()
     assert patch.is_wrapped(scheduler)
     scheduler(BLOCK)
-    (active,) = [line for line in logs.visible if " active: " in line]
-    assert "split [code: Scheduler.schedule budgets encoder inputs before the split" in active
-    assert "pre-fix build" in active
+    (active,) = [r for r in logs.at_least(logging.INFO) if " active: " in r.getMessage()]
+    assert "split" in parse_active(active.getMessage()).rules  # type: ignore[union-attr]
+    # The reason: in the record's fields and the DEBUG line, no longer on the line itself.
+    reason = facts_of(active)["reasons"]["split"]
+    assert reason.startswith("code: Scheduler.schedule budgets encoder inputs before the split")
+    assert "pre-fix build" in reason
+    assert any(reason in r.getMessage() for r in logs.records if r.levelno == logging.DEBUG)
 
 
 def test_code_evidence_leaves_a_backport_alone(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import logging
 import sys
 import threading
 import types
@@ -16,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.active_line import parse_active
+from tests.conftest import facts_of
 from tests.faults.conftest import (
     BLOCK,
     FIXED_SCHEDULER,
@@ -278,7 +281,9 @@ def test_overriding_subclass_is_named(order: str, logs: LogCapture, fake_vllm: F
     assert HPU_NAME in logs.warnings[0] and METHOD in logs.warnings[0]
     assert "overridden" in logs.warnings[0]
     (active,) = _active_lines(logs)  # the encoder rules still reach it
-    assert HPU_NAME in active and "split" not in active.split(" carries ")[1].split(";")[0]
+    parsed = parse_active(active)
+    assert parsed is not None and parsed.scheduler_class == HPU_NAME, active
+    assert "split" not in parsed.rules, active
     (hpu_record,) = [r for r in record.records() if r.scheduler_class == HPU_NAME]
     assert hpu_record.method(METHOD).state is MethodState.OVERRIDDEN
     assert Rule.SPLIT in hpu_record.left_out
@@ -353,8 +358,9 @@ def test_dev_and_local_versions_judged_by_release(
     scheduler(BLOCK)
     logs.assert_no_traceback()
     assert logs.warnings == []
-    (line,) = logs.visible
-    assert f"family {family}," in line and " active: " in line
+    (active,) = logs.at_least(logging.INFO)
+    assert parse_active(active.getMessage()) is not None, active.getMessage()
+    assert facts_of(active)["family"] == family  # in the fields, off the line
     assert is_patched(scheduler)
 
 
@@ -379,8 +385,8 @@ def test_fixed_versions_get_only_the_block_unit_rule(
     rule is installed there too, and nothing else on a fixed scheduler."""
     scheduler = _build_fixed(version, logs, fake_vllm)
     (line,) = logs.visible
-    assert " active: " in line and "carries block-unit [" in line, line
-    assert "split [" not in line and "speculative-stall [" not in line, line
+    parsed = parse_active(line)
+    assert parsed is not None and parsed.rules == ("block-unit",), line
     assert is_patched(scheduler)
 
 
@@ -458,7 +464,8 @@ def test_invalid_scope_warns_once_then_uses_multimodal(
     assert "VLLM_MAMBA_FIX_SCOPE=" in warning and repr(value) in warning
     assert "multimodal" in warning and "all" in warning
     (active,) = _active_lines(logs)
-    assert "scope multimodal" in active
+    parsed = parse_active(active)
+    assert parsed is not None and "scope" not in parsed.settings, active  # the default: unsaid
     # Behaviour of the default scope: text-only chunks stay stock, image ones are corrected.
     assert split_as_vllm(sched, FakeRequest(has_encoder_inputs=False), 100) == 0
     assert split_as_vllm(sched, FakeRequest(has_encoder_inputs=True), 256) == 100

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests.active_line import parse_active
 from tests.faults.conftest import PLUGIN_ENV, ProbeRun
 
 REGISTER_AND_REPORT = """
@@ -125,9 +126,11 @@ def test_spawned_engine_core_child_is_patched(real_vllm_probe: ProbeRun) -> None
     # Exactly one line from the child, which built a scheduler, naming it and its class.
     from_child = [line for line in active if f"pid {child['pid']})" in line]
     assert len(from_child) == 1, output
-    assert "vLLM 0.27.1" in from_child[0] and "scope multimodal" in from_child[0]
-    assert "vllm.v1.core.sched.scheduler.Scheduler carries split" in from_child[0]
-    assert "(Mamba KV cache groups" in from_child[0]
+    parsed = parse_active(from_child[0])
+    assert parsed is not None and parsed.vllm == "0.27.1", from_child[0]
+    assert parsed.settings == {}  # the defaults: scope multimodal among them
+    assert parsed.scheduler_class == "vllm.v1.core.sched.scheduler.Scheduler"
+    assert parsed.rules[0] == "split" and parsed.block is not None, from_child[0]
 
 
 def test_no_traceback_and_no_plugin_errors(real_vllm_probe: ProbeRun) -> None:

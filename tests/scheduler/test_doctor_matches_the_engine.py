@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.active_line import parse_active
+from tests.conftest import facts_of
 from tests.scheduler.test_drafter_block import engine_core_source
 from tools import sched_harness as harness
 from tools.sched_harness import HarnessConfig
@@ -26,6 +28,7 @@ from vllm_mamba_fix.doctor.core import run as doctor_run
 
 BASE = "vllm.v1.core.sched.scheduler.Scheduler"
 ALL_RULES = [r.value for r in Rule]  # the active line's order
+_records: list[logging.LogRecord] = []  # what _vllm_log() collected last
 SMALL = HarnessConfig(block_size=256, max_num_batched_tokens=384, encoder_cache_tokens=256,
                       max_model_len=2048)  # fmt: skip
 DRAFTER = dataclasses.replace(SMALL, drafter_block_size=128, block_size_from_groups=True)
@@ -42,6 +45,12 @@ def _active_line(log: list[str]) -> str:
     return line
 
 
+def _active_facts() -> dict[str, Any]:
+    """The fields of the base's active record (the reasons and wraps are there, off the line)."""
+    (found,) = [r for r in _records if " active: " in r.getMessage()]
+    return facts_of(found)
+
+
 @contextlib.contextmanager
 def _vllm_log() -> Iterator[list[str]]:
     """Messages under the `vllm` logger. Attached after a first scheduler was built: the
@@ -52,7 +61,9 @@ def _vllm_log() -> Iterator[list[str]]:
     class _Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             messages.append(record.getMessage())
+            _records.append(record)
 
+    _records.clear()
     handler = _Collect(level=logging.DEBUG)
     logging.getLogger("vllm").addHandler(handler)
     try:
@@ -76,19 +87,21 @@ def test_doctor_says_what_the_built_scheduler_carries(vllm_version: str, load_pl
     line = _active_line(log)
     (built,) = [r for r in records() if r.scheduler_class == BASE]
     assert sorted(r.value for r in built.rules) == sorted(installs)
-    carried = line.split(" carries ", 1)[1].split("; block size")[0]
+    parsed = parse_active(line)
+    assert parsed is not None, line
+    facts = _active_facts()
     for entry in before["rules"]:
         if entry["installs"]:  # the same rule, decided on the same basis, with the same reason
-            assert f"{entry['rule']} [{entry['decided_by']}: {entry['reason']}]" in carried, line
+            assert facts["reasons"][entry["rule"]] == f"{entry['decided_by']}: {entry['reason']}"
         else:
-            assert f"{entry['rule']} [" not in carried, line
+            assert entry["rule"] not in parsed.rules, line
     # What doctor tells the operator to expect in the engine core's log.
     first = next(r for r in ALL_RULES if r in installs)
-    assert line.startswith(f"vllm-mamba-fix {__version__} active: {BASE} carries {first} [")
-    assert [r for r in ALL_RULES if f"{r} [" in carried] == [r for r in ALL_RULES if r in installs]
-    wraps = line.split(" wraps ", 1)[1]
+    assert line.startswith(f"vllm-mamba-fix {__version__} active: {BASE} carries {first}")
+    assert list(parsed.rules) == [r for r in ALL_RULES if r in installs], line
+    wraps = ", ".join(facts["wraps"])
     for method in before["dry_run"]["wrapped_methods"]:
-        assert f"Scheduler.{method}" in wraps, (method, line)
+        assert f"Scheduler.{method}" in wraps, (method, facts["wraps"])
     # Built with equal sizes the rule stays idle; doctor said it engages only where they differ.
     assert built.block is not None and not built.block.differs
     if before["policy"]["verdict"] == "installed-per-scheduler":

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.active_line import parse_active
 from tests.conftest import facts_of
 from tests.stall_end_helpers import install_clock, stall_end_installed, update_wrapped
 from tools import scenarios as sc
@@ -24,7 +25,6 @@ from vllm_mamba_fix.decide.stalls import StallCause
 from vllm_mamba_fix.facts.versions import Family
 
 SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
-ACTIVE = re.compile(r"vllm-mamba-fix \S+ active: (?P<cls>\S+) carries .*; block size (?P<b>\d+) ")
 NAMED = re.compile(r"request (?P<rid>\S+) stalled at token (?P<pos>\d+) of (?P<prompt>\d+)")
 ENDED = re.compile(r"ended request (?P<rid>\S+): 0 tokens at token (?P<pos>\d+) of .*; cause: ")
 MOVED = re.compile(r"request (?P<rid>\S+) moves again \(was stalled at token (?P<pos>\d+)\)")
@@ -52,12 +52,16 @@ def test_active_line_and_corrections(load_plugin: Any, records: list[logging.Log
     assert sc.QUEUE.run().completed
     _every_record_is_named(records)
     (active,) = _events(records, "active")
-    text = ACTIVE.match(active.getMessage())
-    assert text is not None, active.getMessage()
+    text = parse_active(active.getMessage())
+    assert text is not None and len(active.getMessage()) <= 300, active.getMessage()
     facts = facts_of(active)
-    assert (facts["scheduler_class"], facts["block"]) == (text["cls"], int(text["b"]))
+    assert (facts["scheduler_class"], facts["block"]) == (text.scheduler_class, text.block)
     assert (facts["scheduler_class"], facts["block"]) == (SCHEDULER, 1056)
     assert {"split", "block-unit", "stall-watchdog"} <= set(facts["rules"])
+    assert list(text.rules) == facts["rules"] and text.settings == facts["settings"] == {}
+    # The reasons are off the line, in the fields: one per rule the plan weighed.
+    assert set(facts["reasons"]) >= set(facts["rules"]), facts["reasons"]
+    assert all(": " in reason for reason in facts["reasons"].values()), facts["reasons"]
     assert facts["vllm_version"] == harness.vllm_version()
     corrections = _events(records, "correction")
     assert {facts_of(r)["request_id"] for r in corrections} == {"running-image", "waiting-image"}

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.active_line import active_lines
 from tests.scheduler.conftest import wrapped_without_realign
 from tools import scenarios as sc
 from tools import sched_harness as harness
@@ -299,15 +300,14 @@ def test_default_policy_and_log_line(family: Family, load_plugin: Any, vllm_log:
     wrapped = load_plugin()
     assert wrapped == _affected(family)
     harness.build_scheduler(sc.ISSUE_CONFIG)  # the per-class line comes when one is built
-    text = "\n".join(vllm_log)
-    built = "active: vllm.v1.core.sched.scheduler.Scheduler carries "
+    (line,) = active_lines(vllm_log, "vllm.v1.core.sched.scheduler.Scheduler")
+    assert line.vllm == harness.vllm_version() and line.settings == {}, line
     if _affected(family):
-        assert f"{built}split [" in text and f"family {family.name}," in text, text
+        assert line.rules[0] == "split", line
     else:
         # No split rule; the block-unit rule (every release) leads the line, with the
         # speculative-stall rule on 0.28-0.32.
-        assert f"{built}split [" not in text, text
-        assert f"{built}block-unit [" in text, text
+        assert "split" not in line.rules and line.rules[0] == "block-unit", line
 
 
 @EVERY

@@ -2,17 +2,22 @@
 
 Third-party rules are loaded once, when the scheduler is patched, so no
 scheduling step pays for scanning entry points. With none installed the
-built-in rule answers directly; any failure falls back to it.
+built-in rule answers directly, and pluggy is not even imported (a plain read of the
+installed distributions' entry points finds none); any failure falls back to it.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix.facts.config import Scope, builtin_in_scope
+
+# hookspecs.ENTRY_POINT_GROUP; not imported from there, which imports pluggy.
+ENTRY_POINT_GROUP = "vllm_mamba_fix.scope"
 
 ScopeHook = Callable[..., "bool | None"]
 
@@ -29,8 +34,24 @@ class BuiltinScope:
         return builtin_in_scope(request, configured)
 
 
+def _scope_group_installed(group: str) -> bool:
+    """Whether an installed distribution may name ``group`` in its entry points: a substring
+    of the raw text, read without parsing (a false yes only costs building pluggy's manager,
+    which then finds the truth). Any error says yes, to let pluggy look."""
+    try:
+        for dist in importlib.metadata.distributions():
+            text = dist.read_text("entry_points.txt")
+            if text and group in text:
+                return True
+    except Exception:
+        return True
+    return False
+
+
 def load_third_party_hook() -> ScopeHook | None:
     """The pluggy hook when third-party rules are installed, else None."""
+    if not _scope_group_installed(ENTRY_POINT_GROUP):
+        return None  # register() pays for neither pluggy nor its entry-point scan
     try:
         import pluggy
 
@@ -40,7 +61,7 @@ def load_third_party_hook() -> ScopeHook | None:
         manager.add_hookspecs(hookspecs.ScopeSpec)
         hookspecs.hookimpl(trylast=True)(BuiltinScope.mamba_fix_in_scope)
         manager.register(BuiltinScope(), name="builtin")
-        loaded = manager.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
+        loaded = manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
     except Exception as exc:
         logger.warning(
             "vllm-mamba-fix: could not load scope rules from entry points 'vllm_mamba_fix.scope' "

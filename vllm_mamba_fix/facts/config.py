@@ -83,6 +83,23 @@ class Settings:
     def switched_on(self, switch: str | None) -> bool:
         return switch is None or switch not in self.switched_off
 
+    def changed(self) -> dict[str, str]:
+        """The settings away from their defaults, by short name (the variable's name after
+        ``VLLM_MAMBA_FIX_``, lower case; ``mode`` for ``VLLM_MAMBA_FIX``): the active line's."""
+        seconds = (
+            ("stall_seconds", self.stall_seconds, DEFAULT_STALL_SECONDS),
+            ("end_stalls_after", self.end_stalls_after, DEFAULT_END_STALLS_AFTER),
+        )
+        changed = {"mode": self.mode.value} if self.mode is not Mode.AUTO else {}
+        if self.scope is not Scope.MULTIMODAL:
+            changed["scope"] = self.scope.value
+        for name, value, default in seconds:
+            if value != default:
+                changed[name] = "off" if value is None else f"{value:g}"
+        for switch in sorted(self.switched_off):
+            changed[switch.removeprefix(ENV_MODE + "_").lower()] = "off"
+        return changed
+
 
 _Choice = TypeVar("_Choice", Mode, Scope, bool)
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import linecache
 import textwrap
 from dataclasses import dataclass
+from types import CodeType
 
 from vllm_mamba_fix.facts.targets import ENCODER_METHOD, FREE_METHOD, SPLIT_METHOD
 
@@ -38,7 +40,12 @@ class Evidence:
 UNREADABLE = Evidence(problem="no scheduler code was read")
 
 
-def _function(source: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+_Function = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def _function(source: str | _Function) -> _Function | None:
+    if isinstance(source, _Function):
+        return source  # parsed already (read_evidence parses each method once)
     try:
         tree = ast.parse(textwrap.dedent(source))
     except (SyntaxError, ValueError):
@@ -65,7 +72,7 @@ def _first_self_call_lines(function: ast.AST, names: tuple[str, ...]) -> dict[st
     return first
 
 
-def split_after_encoder(schedule_source: str) -> bool | None:
+def split_after_encoder(schedule_source: str | _Function) -> bool | None:
     """Whether ``schedule()`` budgets encoder inputs before its first split call."""
     function = _function(schedule_source)
     if function is None:
@@ -76,7 +83,7 @@ def split_after_encoder(schedule_source: str) -> bool | None:
     return lines[ENCODER_METHOD] < lines[SPLIT_METHOD]
 
 
-def deferred_encoder_free(free_source: str) -> bool | None:
+def deferred_encoder_free(free_source: str | _Function) -> bool | None:
     """Whether ``_free_encoder_inputs`` delays a free by a look-ahead.
 
     Every release that defers names the delay (``spec_lookahead``, or
@@ -90,12 +97,31 @@ def deferred_encoder_free(free_source: str) -> bool | None:
     return any("lookahead" in name for name in names)
 
 
-def _source(cls: type, name: str) -> str | None:
+def _last_line(code: CodeType) -> int:
+    """The last source line ``code`` spans, nested functions' bodies included."""
+    ends = [end for _, end, _, _ in code.co_positions() if end is not None]
+    ends += [_last_line(c) for c in code.co_consts if isinstance(c, CodeType)]
+    return max(ends, default=code.co_firstlineno)
+
+
+def _lines_of(function: object) -> _Function | None:
+    """The function parsed from its code object's line span: what ``inspect.getsource``
+    finds, without tokenizing the file (most of start-up's cost on vLLM's long
+    ``schedule()``). None where that cannot tell (Python 3.10, no file): ask inspect."""
+    code = getattr(function, "__code__", None)
+    if not isinstance(code, CodeType) or not hasattr(code, "co_positions"):
+        return None
+    lines = linecache.getlines(code.co_filename)
+    return _function("".join(lines[code.co_firstlineno - 1 : _last_line(code)]))
+
+
+def _source(cls: type, name: str) -> str | _Function | None:
     method = getattr(cls, name, None)
     if method is None:
         return None
     try:
-        return inspect.getsource(inspect.unwrap(method))
+        function = inspect.unwrap(method)
+        return _lines_of(function) or inspect.getsource(function)
     except (OSError, TypeError):
         return None
 

@@ -2,6 +2,7 @@
 
 - ``plugin.py``: ``register()`` (the ``vllm.general_plugins`` entry point) and
   ``unregister()``; the per-construction check that settles and records each scheduler class;
+- ``active_line.py``: the one short line each class built logs, its reasons at DEBUG;
 - ``patch.py``: wraps and unwraps the scheduler's methods (``install_on_base``,
   ``settle_method``, ``undo``);
 - ``import_hook.py``: runs a callback once a module is imported, without importing it early;

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -34,9 +33,10 @@ from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.facts.blocks import BlockUnit, unit_of_scheduler
 from vllm_mamba_fix.facts.config import Settings, load_settings
 from vllm_mamba_fix.facts.evidence import Evidence, read_evidence
-from vllm_mamba_fix.facts.targets import INIT_METHOD, SPLIT_METHOD, defined_scheduler
+from vllm_mamba_fix.facts.targets import FREE_METHOD, INIT_METHOD, SPLIT_METHOD, defined_scheduler
 from vllm_mamba_fix.facts.versions import Family, family_for
 from vllm_mamba_fix.install import import_hook, patch, stream_end
+from vllm_mamba_fix.install.active_line import log_record
 from vllm_mamba_fix.observe import counters, metrics, mtp_tokens, record, series
 from vllm_mamba_fix.observe.record import ClassRecord, MethodRecord, MethodState, class_name
 from vllm_mamba_fix.rules import table as rules
@@ -64,6 +64,11 @@ class _Installed:
     scope: ScopePolicy
     # Base methods whose shape kept them stock, already said at install time.
     unpatchable_on_base: frozenset[str] = frozenset()
+    # Each class's plan, read once per installation: reading vLLM's code is most of the
+    # patch's cost, and settling the base reads the base again.
+    plans: dict[tuple[Any, ...], tuple[Plan, dict[str, Any], Evidence]] = field(
+        default_factory=dict, compare=False
+    )
 
 
 @dataclass
@@ -131,11 +136,17 @@ def _register(settings: Settings) -> Any:
 
 
 def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, dict[str, Any], Evidence]:
-    """``cls``'s plan from its own code, and its wrappers' options."""
+    """``cls``'s plan from its own code, and its wrappers' options (read once per class)."""
+    # The code read: a class whose schedule() or free is replaced later is read again.
+    key = (cls, getattr(cls, "schedule", None), getattr(cls, FREE_METHOD, None))
+    known = installed.plans.get(key)
+    if known is not None:
+        return known
     evidence = read_evidence(cls)
     decided = rules.plan(installed.settings, installed.family, evidence)
     facts = Facts(installed.settings, installed.family, evidence)
     options = rules.options_for(decided, facts, installed.scope)
+    installed.plans[key] = (decided, options, evidence)
     return decided, options, evidence
 
 
@@ -180,7 +191,7 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
                 extra=fields("setup", version=__version__, wraps=list(wrapped)),
             )
             if INIT_METHOD not in wrapped:
-                _log_record(record.recorded(class_name(base)), installed)  # type: ignore[arg-type]
+                log_record(record.recorded(class_name(base)), installed)  # type: ignore[arg-type]
     except Exception as exc:
         say_once(logging.WARNING, f"not patching after an error ({type(exc).__name__}: {exc})")
 
@@ -242,7 +253,7 @@ def check_class(
         record.remember(found)
         if log and name not in setup.lines_logged:
             setup.lines_logged.add(name)
-            _log_record(found, installed)
+            log_record(found, installed)
         return found
 
 
@@ -307,75 +318,6 @@ _REDESCRIBED = (MethodState.STOCK, MethodState.WRAPPED)
 
 def _wanted(found: ClassRecord, method: str) -> frozenset[Rule]:
     return frozenset(r for r in found.plan.rules if rules.RULE_METHOD[r] == method)
-
-
-def _carries_text(result: ClassRecord) -> str:
-    own = result.rules & result.plan.rules
-    parts = [result.plan.describe(own)] if own else []
-    for rule in sorted(result.inherited, key=lambda r: r.value):
-        method = result.method(rules.RULE_METHOD[rule])
-        parts.append(f"{rule.value} [inherited: {method.note if method else ''}]")
-    return "; ".join(parts)
-
-
-def _log_record(result: ClassRecord, installed: _Installed) -> None:
-    base, cls = class_name(installed.base), result.scheduler_class
-    for method in result.methods:
-        if method.owner == base and method.name in installed.unpatchable_on_base:
-            continue
-        if method.state in (MethodState.OVERRIDDEN, MethodState.UNPATCHABLE):
-            text = f"{cls}: {method.describe()}; the fix does not reach it"
-            say_once(
-                logging.WARNING, text, event="not-reached", scheduler_class=cls, method=method.name
-            )
-        elif method.state is MethodState.WRAPPED_REPLACEMENT:
-            text = f"{cls}: {method.describe()}"
-            say_once(logging.WARNING, text, scheduler_class=cls, method=method.name)
-    unit = result.block
-    runs_split = bool(result.rules & rules.SPLIT_RULES)
-    if unit is not None and unit.mamba is None and not unit.no_mamba and runs_split:
-        text = f"the split rules stand down for {cls}: {unit.problem}"
-        say_once(
-            logging.WARNING, text, event="stands-down", scheduler_class=cls, problem=unit.problem
-        )
-    idle = f"; split rules idle: {result.split_idle}" if result.split_idle else ""
-    if not result.rules:
-        say_once(
-            logging.INFO,
-            f"not needed for {cls} on vLLM {installed.version}: "
-            f"{result.plan.describe()}{idle}; leaving it stock",
-            event="not-needed", scheduler_class=cls, vllm_version=installed.version,
-        )  # fmt: skip
-        return
-    # Every method wrapped for the rules: the encoder check's may carry only the split rule's ear.
-    wrapped = [
-        m for m in result.methods
-        if m.state.carries_rules and (m.rules & result.rules or m.state is MethodState.WRAPPED)
-    ]  # fmt: skip
-    wraps = [m.wraps or m.name for m in wrapped]
-    extra = fields(
-        "active", version=__version__, scheduler_class=cls,
-        rules=[r.value for r in Rule if r in result.rules], wraps=wraps,
-        block=None if unit is None else unit.mamba,
-        configured_block=None if unit is None else unit.configured,
-        vllm_version=installed.version, family=installed.family.name,
-        scope=installed.settings.scope.value,
-    )  # fmt: skip
-    logger.info(
-        "vllm-mamba-fix %s active: %s carries %s; block size %s%s; wraps %s "
-        "(vLLM %s, family %s, scope %s, pid %d)",
-        __version__,
-        result.scheduler_class,
-        _carries_text(result),
-        "unknown (dry run)" if unit is None else unit.describe(),
-        idle,
-        ", ".join(wraps),
-        installed.version,
-        installed.family.name,
-        installed.settings.scope.value,
-        os.getpid(),
-        extra=extra,
-    )
 
 
 def unregister() -> bool:

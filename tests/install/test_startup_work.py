@@ -1,0 +1,97 @@
+"""Issue 45 item 4: what ``register()`` does at start-up, checked by what it leaves behind.
+
+Not timed (speed targets live in benchmarks/, section 4): each test runs ``register()`` in a
+fresh process, as vLLM's ``load_general_plugins()`` does, and looks at what it loaded and
+read. With no scope rule installed, pluggy is never imported; vLLM's code is read once per
+class from its code objects' lines, without ``inspect.getsource`` (which tokenizes the file).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import InstallScopeRule
+from vllm_mamba_fix import hookspecs
+from vllm_mamba_fix.decide import scope
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Runs in a fresh process: vLLM imported (the scheduler too, or not), then the entry point.
+# inspect.getsource (called by the plugin) and the evidence reader are counted, not replaced.
+PROBE = """
+import inspect, json, sys
+import vllm
+if sys.argv[1] == "imported":
+    import vllm.v1.core.sched.scheduler
+getsource = inspect.getsource
+counts = {"getsource": 0, "read_evidence": 0}
+
+def counting_getsource(obj):
+    # The plugin's calls only: importing vLLM's scheduler (the hook case) calls it too.
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    counts["getsource"] += caller.startswith("vllm_mamba_fix")
+    return getsource(obj)
+
+inspect.getsource = counting_getsource
+import vllm_mamba_fix
+from vllm_mamba_fix.install import plugin
+read_evidence = plugin.read_evidence
+
+def counting_read(cls):
+    counts["read_evidence"] += 1
+    return read_evidence(cls)
+
+plugin.read_evidence = counting_read
+vllm_mamba_fix.register()
+import vllm.v1.core.sched.scheduler as module
+from tools.sched_harness import split_is_wrapped
+record = vllm_mamba_fix.records()[0]
+print(json.dumps({**counts, "pluggy": "pluggy" in sys.modules, "patched": split_is_wrapped(),
+                  "problem": record.evidence.problem,
+                  "split_after_encoder": record.evidence.split_after_encoder}))
+"""
+
+
+def _probe(case: str, env: dict[str, str] | None = None) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, case], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["imported", "hook"])
+def test_register_reads_the_scheduler_once_and_leaves_pluggy_alone(case: str) -> None:
+    found = _probe(case)
+    assert found["patched"] is True, found
+    # Read, not unknown (its value per release: tests/scheduler/test_evidence.py).
+    assert found["problem"] is None and found["split_after_encoder"] in (True, False), found
+    assert found["pluggy"] is False, found  # no scope rule installed: no manager to build
+    assert found["read_evidence"] == 1, found  # the base, once (its settling reuses it)
+    assert found["getsource"] == 0, found  # read from the code objects' line spans
+
+
+def test_an_installed_scope_rule_still_builds_the_manager(
+    install_scope_rule: InstallScopeRule,
+) -> None:
+    install_scope_rule(
+        "startup_scope",
+        """
+        from vllm_mamba_fix.hookspecs import hookimpl
+
+        @hookimpl
+        def mamba_fix_in_scope(request, scope):
+            return None
+        """,
+    )
+    assert scope.load_third_party_hook() is not None
+
+
+def test_the_scope_group_is_named_once() -> None:
+    assert scope.ENTRY_POINT_GROUP == hookspecs.ENTRY_POINT_GROUP
