@@ -13,8 +13,9 @@ import logging
 import os
 from typing import Protocol
 
-from vllm_mamba_fix._log import fields, logger, say_once
+from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix._version import __version__
+from vllm_mamba_fix.changes import say_once
 from vllm_mamba_fix.decide.policy import Rule
 from vllm_mamba_fix.facts.blocks import BlockUnit
 from vllm_mamba_fix.facts.config import Settings
