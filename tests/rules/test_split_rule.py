@@ -168,3 +168,35 @@ def test_a_0_out_of_scope_is_vllms_whatever_the_rules() -> None:
             for beyond in (False, True):
                 assert correct(req, asked, beyond=beyond) == 0, (at, asked, beyond)
     assert zeros > 10
+
+
+def _holder(rid: str, status: str) -> Any:
+    """A request with one image of 10 embeddings, hash "img", in the given status."""
+    return SimpleNamespace(
+        request_id=rid, status=SimpleNamespace(name=status), has_encoder_inputs=True,
+        mm_features=[SimpleNamespace(identifier="img")], get_num_encoder_embeds=lambda i: 10,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("status", ["WAITING", "PREEMPTED", "RUNNING"])
+def test_a_waiting_zero_drops_the_references_its_check_took(status: str) -> None:
+    """Issue 44 item 4 (`waiting_reference`): vLLM's encoder cache manager, a reference taken
+    by the check of a request whose split answers 0; a waiting request lets it go (the
+    input becomes freeable, as in 0.28, which takes none), a running one keeps it."""
+    manager_type = pytest.importorskip("vllm.v1.core.encoder_cache_manager").EncoderCacheManager
+    manager = manager_type(cache_size=20)
+    owner, copy = _holder("owner", "RUNNING"), _holder("copy", status)
+    assert manager.can_allocate(owner, 0, 20, 0)
+    manager.allocate(owner, 0)
+    manager.free_encoder_input(owner, 0)  # computed and consumed: cached, freeable
+    assert manager.check_and_update_cache(copy, 0)  # the copy's check takes a reference
+    scheduler = SimpleNamespace(encoder_cache_manager=manager)
+    wrap = WrapOptions(PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL))
+    rule = SplitRule(lambda *a: 0, wrap)
+    state = SplitState(BLOCK, quiet=False, settled_for=wrap)
+    copy.num_computed_tokens, copy.num_prompt_tokens, copy.num_tokens = 0, PROMPT, PROMPT
+    copy.num_output_tokens = 0
+    assert rule.look(SplitCall(scheduler, copy, 100, 0, 0, state, ())) == 0
+    held = "copy" in manager.cached["img"]
+    assert held is (status == "RUNNING")
+    assert manager.num_freeable_slots == (10 if status == "RUNNING" else 20)

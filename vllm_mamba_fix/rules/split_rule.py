@@ -279,6 +279,8 @@ class SplitRule:
                 return answer  # a 0 out of the split rule's reach: vLLM's (re-aligning never)
             if can_need_correction(answer, call.asked, start, state.size):
                 answer = self.correct(call._replace(answer=answer), start)
+            if not answer and call.request.has_encoder_inputs:
+                drop_waiting_references(call.scheduler, call.request)
             return answer
         except Exception as exc:
             return self.fall_back(exc, answer)
@@ -369,6 +371,27 @@ class SplitRule:
         if note[3] <= asked:
             return None
         return self.original(scheduler, request, note[3], *call.args, **call.kwargs)
+
+
+def drop_waiting_references(scheduler: Any, request: Any) -> None:
+    """A waiting request whose chunk is 0 lets go of the cached inputs it took a reference on.
+
+    Through 0.27.1 ``schedule()`` runs the encoder check before the split, also in its waiting
+    loop, and the check takes a reference on every cached input in the chunk (a copy's, a
+    repeat's): where the split then answers 0, the request stays waiting and its references
+    hold those inputs while another request's input does not fit. 0.28 splits first and takes
+    none. A running request keeps its own: it holds them until its tokens are computed.
+    The next step's check takes them again where the inputs are still cached."""
+    if getattr(getattr(request, "status", None), "name", "RUNNING") == "RUNNING":
+        return
+    manager = getattr(scheduler, "encoder_cache_manager", None)
+    cached = getattr(manager, "cached", None)  # None: encoder-decoder's manager, no references
+    if not isinstance(cached, dict):
+        return
+    rid = request.request_id
+    for i, feature in enumerate(request.mm_features or ()):
+        if rid in cached.get(feature.identifier, ()):
+            manager.free_encoder_input(request, i)
 
 
 def _scope_test(scope: Any) -> Callable[[Any], bool]:
