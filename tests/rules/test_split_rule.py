@@ -200,3 +200,39 @@ def test_a_waiting_zero_drops_the_references_its_check_took(status: str) -> None
     held = "copy" in manager.cached["img"]
     assert held is (status == "RUNNING")
     assert manager.num_freeable_slots == (10 if status == "RUNNING" else 20)
+
+
+def _imaged(rid: str, images: tuple[tuple[int, int], ...]) -> Any:
+    """A waiting-for-its-chunk request with images (offset, length), hashed by rid and index,
+    each of as many encoder embeddings as tokens."""
+    feats = [
+        SimpleNamespace(identifier=f"{rid}-{i}", mm_position=SimpleNamespace(offset=o, length=n))
+        for i, (o, n) in enumerate(images)
+    ]
+    req = request(rid)
+    req.mm_features, req.status = feats, SimpleNamespace(name="RUNNING")
+    req.get_num_encoder_embeds = lambda i: images[i][1]
+    return req
+
+
+@pytest.mark.parametrize("other_holds", [True, False])
+def test_a_whole_block_is_kept_where_the_tail_frees_nothing(other_holds: bool) -> None:
+    """Issue 44 item 4 (`whole_block_tail`), vLLM's encoder cache manager: the check cut
+    [0, 600) at an image at 600 (from 900); the split's whole-block answer is [0, 512).
+    Where the image waits on another request's input (the tail, with no input of its own,
+    frees nothing) the whole block is kept; where the request's own image in the tail
+    holds the room, the chunk ends at the cut (the encoder stop, as 0.28)."""
+    manager_type = pytest.importorskip("vllm.v1.core.encoder_cache_manager").EncoderCacheManager
+    manager = manager_type(cache_size=300)
+    req = _imaged("r", ((400, 150), (600, 200)) if not other_holds else ((600, 200),))
+    other = _imaged("o", ((0, 200),))
+    holder = other if other_holds else req
+    assert manager.can_allocate(holder, 0, 1000, 0)
+    manager.allocate(holder, 0)  # held: the other's image, or r's own at 400 (in the tail)
+    req.cut_from = 900
+    wrap = WrapOptions(PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL))
+    scheduler = SimpleNamespace(encoder_cache_manager=manager, requests={"r": req, "o": other})
+    encoder_cut.note(scheduler, req, 0, 900, 600)
+    call = SplitCall(scheduler, req, 600, vllm_split(scheduler, req, 600), 0, SplitState(BLOCK), ())
+    assert call.answer == 512
+    assert SplitRule(vllm_split, wrap).correct(call, 0) == (512 if other_holds else 600)

@@ -54,6 +54,7 @@ from vllm_mamba_fix.decide.decision import (
     decide,
     in_prefill_by_output_tokens,
     in_prefill_by_position,
+    tail_frees_room,
 )
 from vllm_mamba_fix.decide.scope import ScopePolicy, builtin_scope
 from vllm_mamba_fix.facts.blocks import SPLIT_ATTR, SplitState
@@ -337,7 +338,10 @@ class SplitRule:
                 if wait:
                     return answer
                 ruled_out = ruled_out or uncut is None
-        decision = decide(answer, asked, start, state.size, uncut)
+        tail_frees = None
+        if uncut is not None and uncut > answer > 0 and not (start + answer) % state.size:
+            tail_frees = tail_frees_room_at(call.scheduler, request, start, asked, answer)
+        decision = decide(answer, asked, start, state.size, uncut, tail_frees)
         return self._apply(call, start, decision, ruled_out)
 
     def _apply(self, call: SplitCall, start: int, decision: Decision, ruled_out: bool) -> int:
@@ -371,6 +375,43 @@ class SplitRule:
         if note[3] <= asked:
             return None
         return self.original(scheduler, request, note[3], *call.args, **call.kwargs)
+
+
+def tail_frees_room_at(scheduler: Any, request: Any, start: int, cut: int, answer: int) -> bool:
+    """:func:`~vllm_mamba_fix.decide.decision.tail_frees_room` with the scheduler's numbers, read
+    only where the encoder stop would replace a whole-block answer: the input at
+    ``start + cut``, the cache's room left to it, the slots of the request's own inputs ending
+    in ``(start + answer, start + cut]``. Where it is False the rule keeps the whole block: a
+    chunk of tokens, so the request still moves every step (never a 0 kept)."""
+    feats = list(getattr(request, "mm_features", None) or ())
+    at = start + cut
+    later = [i for i, f in enumerate(feats) if f.mm_position.offset >= at]
+    manager = getattr(scheduler, "encoder_cache_manager", None)
+    cached = getattr(manager, "cached", None)
+    if not later or not isinstance(cached, dict):
+        return True  # nothing to wait on the cache for: the encoder stop, as 0.28
+    rid, size = request.request_id, request.get_num_encoder_embeds
+    # Its own: inputs it references, and those the chunk covers (the split's to schedule).
+    own = [
+        i
+        for i, f in enumerate(feats)
+        if rid in cached.get(f.identifier, ()) or (f.mm_position.offset < at and _end(f) > start)
+    ]
+    own_ids = {feats[i].identifier for i in own}
+    others = {h for h, refs in cached.items() if h not in own_ids and refs - {rid}}
+    held = 0
+    for other in scheduler.requests.values():
+        for i, f in enumerate(other.mm_features or ()):
+            if f.identifier in others:
+                others.discard(f.identifier)
+                held += other.get_num_encoder_embeds(i)
+    held += sum(size(i) for i in own)
+    in_tail = sum(size(i) for i in own if start + answer < _end(feats[i]) <= at)
+    return tail_frees_room(size(later[0]), manager.cache_size - held, in_tail)
+
+
+def _end(feature: Any) -> int:
+    return int(feature.mm_position.offset + feature.mm_position.length)
 
 
 def drop_waiting_references(scheduler: Any, request: Any) -> None:
