@@ -57,7 +57,7 @@ from vllm_mamba_fix.decide.decision import (
     tail_frees_room,
 )
 from vllm_mamba_fix.decide.scope import ScopePolicy, builtin_scope
-from vllm_mamba_fix.facts.blocks import SPLIT_ATTR, SplitState
+from vllm_mamba_fix.facts.blocks import SPLIT_ATTR, SplitState, longest_chunk
 from vllm_mamba_fix.facts.config import Scope
 from vllm_mamba_fix.facts.targets import (
     EXTRA_COMPUTED_PARAMETERS,
@@ -173,7 +173,9 @@ def _known_signature(
                 if not state.whole_chunks_cross:
                     return answer
                 start = request.num_computed_tokens + local + external
-                if stays_in_block(start, answer, state.size):
+                if stays_in_block(start, answer, state.size) and (
+                    answer >= state.size or start % state.size or not getattr(self, "use_eagle", 0)
+                ):  # a sub-block chunk from a boundary under EAGLE: see eagle_remainder_waits
                     return answer
             elif not answer and (takes is None or not takes(request)):
                 return answer  # a 0 out of the split rule's reach (re-aligning never acts)
@@ -275,6 +277,10 @@ class SplitRule:
                 answer = self._block_unit(call, start)
             if answer == call.asked:
                 if stays_in_block(start, answer, state.size):
+                    if self.realign_others and eagle_remainder_waits(call, start):
+                        rid = call.request.request_id
+                        counters.record(Action.REALIGNED, rid, start, 0, state.size)
+                        return 0
                     return answer
             elif not answer and (call.asked <= 0 or not self.takes(call.request)):
                 return answer  # a 0 out of the split rule's reach: vLLM's (re-aligning never)
@@ -375,6 +381,32 @@ class SplitRule:
         if note[3] <= asked:
             return None
         return self.original(scheduler, request, note[3], *call.args, **call.kwargs)
+
+
+def eagle_remainder_waits(call: SplitCall, start: int) -> bool:
+    """Whether a token budget's sub-block remainder from the last cacheable boundary under
+    EAGLE waits for a step that gives a block, as 0.28 floors it (0.15-0.26 only).
+
+    Those releases back the last cacheable position off a block under EAGLE
+    (``last_cache_position - block_size``) and leave a chunk from there unfloored: [96, 101)
+    of a 153-token prompt in block 48. Its next chunk crosses 144 from mid-block (vLLM
+    #51113), which the re-align splits at a step's cost; 0.28 answers 0 there and takes the
+    block next step. Only where a step can give a block (budget and threshold at least one)
+    and the token budget, not an encoder input, cut the chunk."""
+    request, size, answer = call.request, call.state.size, call.answer
+    if answer >= size or start % size or getattr(call.scheduler, "use_eagle", False) is not True:
+        return False
+    tokens = request.num_tokens
+    last = max(tokens - tokens % size - size, 0)
+    prefill_end = max(request.num_prompt_tokens, tokens - 1)
+    if start != last or start + size >= prefill_end:
+        return False
+    note = encoder_cut.last  # (scheduler id, request id, position, asked, given)
+    here = note is not None and note[:3] == (id(call.scheduler), id(request), start)
+    if here and note[4] == call.asked and note[3] > call.asked:  # type: ignore[index]
+        return False  # the encoder check cut it: 0.28's order may give that chunk
+    longest = longest_chunk(call.scheduler)
+    return longest is not None and size <= longest
 
 
 def tail_frees_room_at(scheduler: Any, request: Any, start: int, cut: int, answer: int) -> bool:
