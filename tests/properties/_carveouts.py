@@ -17,7 +17,7 @@ counted in the run's figures (`carveout_<name>`) and described in docs/reliabili
   waiting request whose chunk then is 0, and takes a reference on a cached input it shares
   (a concurrent copy, a repeat): the input stays held while the request waits, and another
   request's input does not fit. 0.28 splits first and takes none. Fixed from 0.5.x: the
-  split rule drops them where the split answers 0 (`split_rule.drop_waiting_references`); the
+  split rule drops them where the split answers 0 (`split_reads.drop_waiting_references`); the
   counterfactual drops every waiting request's references after each step (also those of a
   request whose encoder check itself answered 0, which 0.28 keeps too).
 - `eagle_last_cacheable` (0.15-0.26, MTP): the block-unit rule's re-align after a sub-block

@@ -479,7 +479,7 @@ SELF_HELD_TAIL = Workload(
 # before its split (0.15-0.27) and took a reference on t0's cached image while its chunk was
 # 0; t0's next image then did not fit: 32 steps for 0.28's 30 (stock never completes
 # t0-again). 0.28 splits first and takes none; the split rule drops a waiting request's
-# references where its chunk is 0 (`split_rule.drop_waiting_references`): 30 steps.
+# references where its chunk is 0 (`split_reads.drop_waiting_references`): 30 steps.
 WAITING_REFERENCE = Workload(
     PropScenario(
         block_size=48, budget=49, encoder_cache=46, threshold=0,
@@ -619,14 +619,14 @@ def test_a_waiting_reference_is_dropped(diff_mode: Mode) -> None:
 
 @contextlib.contextmanager
 def _references_kept() -> Iterator[None]:
-    from vllm_mamba_fix.rules import split_rule
+    from vllm_mamba_fix.rules import split_reads
 
-    drop = split_rule.drop_waiting_references
-    split_rule.drop_waiting_references = lambda scheduler, request: None  # type: ignore[assignment]
+    drop = split_reads.drop_waiting_references
+    split_reads.drop_waiting_references = lambda scheduler, request: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        split_rule.drop_waiting_references = drop  # type: ignore[assignment]
+        split_reads.drop_waiting_references = drop  # type: ignore[assignment]
 
 
 # Found by test_inputs_at_block_boundaries in CI's first workload on 0.15.1 (sync), the shape
@@ -665,7 +665,7 @@ def test_a_copy_beside_its_original_is_within_the_bound_or_counted(diff_mode: Mo
 # cacheable boundary EAGLE backs off to, with a budget's remainder below a block; stock
 # schedules it unfloored, its next chunk would cross 96 from mid-block and is re-aligned: 11
 # steps for 0.28.0's 10. The block-unit rule answers 0 there, as 0.28 does
-# (`split_rule.eagle_remainder_waits`), and r0 takes the block next step: 10.
+# (`split_reads.eagle_remainder_waits`), and r0 takes the block next step: 10.
 EAGLE_REMAINDER = Workload(
     PropScenario(
         block_size=48, budget=57, encoder_cache=26, threshold=0,
@@ -694,11 +694,11 @@ def test_an_eagle_remainder_waits_for_a_block(diff_mode: Mode) -> None:
 
 @contextlib.contextmanager
 def _remainder_scheduled() -> Iterator[None]:
-    from vllm_mamba_fix.rules import split_rule
+    from vllm_mamba_fix.rules import split_reads
 
-    waits = split_rule.eagle_remainder_waits
-    split_rule.eagle_remainder_waits = lambda call, start: False  # type: ignore[assignment]
+    waits = split_reads.eagle_remainder_waits
+    split_reads.eagle_remainder_waits = lambda call, start: False  # type: ignore[assignment]
     try:
         yield
     finally:
-        split_rule.eagle_remainder_waits = waits  # type: ignore[assignment]
+        split_reads.eagle_remainder_waits = waits  # type: ignore[assignment]

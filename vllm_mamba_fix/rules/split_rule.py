@@ -16,7 +16,8 @@
 #           encoder inputs before the split.
 """The split method's wrapper and the split rule, top to bottom.
 
-1. :class:`WrapOptions`: which rules a built wrapper carries.
+1. :class:`WrapOptions` (kept in :mod:`~vllm_mamba_fix.rules.split_settle`, which reads it):
+   which rules a built wrapper carries.
 2. Per scheduler, once: its :class:`~vllm_mamba_fix.facts.blocks.SplitState`, settled at its
    first split (:mod:`vllm_mamba_fix.rules.split_settle`; the block-unit rule's view of
    ``cache_config`` is given to the scheduler there, so vLLM's split floors in the cache's
@@ -28,7 +29,8 @@
    block-unit rule's count (and its stop where ``starved``), a 0 out of the rule's scope
    returned as it is, else :meth:`SplitRule.correct`, which asks
    :func:`vllm_mamba_fix.decide.decision.decide` with plain numbers and counts the
-   correction.
+   correction; what it reads of the scheduler besides is :func:`tail_frees_room_at` and
+   :mod:`vllm_mamba_fix.rules.split_reads` (issue 44 item 4).
 
 The fast-path predicates are :func:`~vllm_mamba_fix.decide.decision.can_need_correction`
 and :func:`~vllm_mamba_fix.decide.decision.whole_chunks_may_cross`, beside ``decide()`` and
@@ -39,9 +41,7 @@ the scheduler and request are vLLM's.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import failure_reporter
@@ -56,48 +56,21 @@ from vllm_mamba_fix.decide.decision import (
     in_prefill_by_position,
     tail_frees_room,
 )
-from vllm_mamba_fix.decide.scope import ScopePolicy, builtin_scope
-from vllm_mamba_fix.facts.blocks import SPLIT_ATTR, SplitState, longest_chunk
+from vllm_mamba_fix.decide.scope import builtin_scope
+from vllm_mamba_fix.facts.blocks import SPLIT_ATTR, SplitState
 from vllm_mamba_fix.facts.config import Scope
 from vllm_mamba_fix.facts.targets import (
     EXTRA_COMPUTED_PARAMETERS,
-    KNOWN_SPLIT_TRAILING_PARAMETERS,
-    SPLIT_LEADING_PARAMETERS,
     Args,
     Kwargs,
 )
 from vllm_mamba_fix.facts.versions import PrefillGate
 from vllm_mamba_fix.observe import counters, record
-from vllm_mamba_fix.rules import block_unit, encoder_cut
+from vllm_mamba_fix.rules import block_unit, encoder_cut, split_reads
 from vllm_mamba_fix.rules.marking import marked
-from vllm_mamba_fix.rules.split_settle import settle
+from vllm_mamba_fix.rules.split_settle import WrapOptions, settle
 
 # -- 1. options ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WrapOptions:
-    """Options of the split wrapper: which of its rules it carries."""
-
-    prefill_gate: PrefillGate
-    scope: ScopePolicy
-    # The split rule: collapse, re-align and encoder stop for in-scope requests.
-    deadlock_rules: bool = True
-    # The block-unit rule: the cache's block where the sizes differ, and (where
-    # ``realign_others``) any request that starts mid-block re-aligned.
-    block_rule: bool = True
-    # Re-align a chunk of the split rule's own requests that starts mid-block and would
-    # cross the next boundary (tests switch it off to show what it prevents).
-    realign: bool = True
-    # The block-unit rule re-aligns every other request too: only where the release's
-    # split does not stop every mid-block chunk at the next boundary itself (0.15-0.26).
-    realign_others: bool = True
-    # The release's split floors the chunk's end (0.26+), not its length: how the
-    # block-unit rule's count tells a chunk it changed.
-    absolute_end: bool = False
-    # The release's split advances sub-block through a block wider than its longest chunk
-    # (0.27+); before, a 0 of a block beyond every chunk never clears.
-    advances_sub_block: bool = True
 
 
 # The fast wrapper's default for a trailing argument its caller left out: methods with
@@ -105,17 +78,6 @@ class WrapOptions:
 # (that alone costs about 0.6 us a call).
 NOT_GIVEN: Any = object()
 NO_KWARGS: Kwargs = {}  # the known signature's keywords: none (only unpacked, never changed)
-
-
-def has_known_parameters(method: Callable[..., int]) -> bool:
-    parameters = list(inspect.signature(method).parameters.values())[
-        len(SPLIT_LEADING_PARAMETERS) :
-    ]
-    names = tuple(p.name for p in parameters)
-    known = KNOWN_SPLIT_TRAILING_PARAMETERS
-    return names in (known[:2], known) and all(
-        p.kind is p.POSITIONAL_OR_KEYWORD and p.default == 0 for p in parameters
-    )
 
 
 def extra_computed_tokens(args: Args, kwargs: Kwargs) -> int:
@@ -131,7 +93,7 @@ def extra_computed_tokens(args: Args, kwargs: Kwargs) -> int:
 def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable[..., int]:
     """Wrap the split ``original``; vLLM's own exceptions propagate, the wrapper's never do."""
     rule = SplitRule(original, options)
-    if has_known_parameters(original):
+    if split_reads.has_known_parameters(original):
         wrapper = _known_signature(original, options, rule)
     else:
         wrapper = _any_signature(original, options, rule)
@@ -277,7 +239,7 @@ class SplitRule:
                 answer = self._block_unit(call, start)
             if answer == call.asked:
                 if stays_in_block(start, answer, state.size):
-                    if self.realign_others and eagle_remainder_waits(call, start):
+                    if self.realign_others and split_reads.eagle_remainder_waits(call, start):
                         rid = call.request.request_id
                         counters.record(Action.REALIGNED, rid, start, 0, state.size)
                         return 0
@@ -287,7 +249,7 @@ class SplitRule:
             if can_need_correction(answer, call.asked, start, state.size):
                 answer = self.correct(call._replace(answer=answer), start)
             if not answer and call.request.has_encoder_inputs:
-                drop_waiting_references(call.scheduler, call.request)
+                split_reads.drop_waiting_references(call.scheduler, call.request)
             return answer
         except Exception as exc:
             return self.fall_back(exc, answer)
@@ -383,38 +345,11 @@ class SplitRule:
         return self.original(scheduler, request, note[3], *call.args, **call.kwargs)
 
 
-def eagle_remainder_waits(call: SplitCall, start: int) -> bool:
-    """Whether a token budget's sub-block remainder from the last cacheable boundary under
-    EAGLE waits for a step that gives a block, as 0.28 floors it (0.15-0.26 only).
-
-    Those releases back the last cacheable position off a block under EAGLE
-    (``last_cache_position - block_size``) and leave a chunk from there unfloored: [96, 101)
-    of a 153-token prompt in block 48. Its next chunk crosses 144 from mid-block (vLLM
-    #51113), which the re-align splits at a step's cost; 0.28 answers 0 there and takes the
-    block next step. Only where a step can give a block (budget and threshold at least one)
-    and the token budget, not an encoder input, cut the chunk."""
-    request, size, answer = call.request, call.state.size, call.answer
-    if answer >= size or start % size or getattr(call.scheduler, "use_eagle", False) is not True:
-        return False
-    tokens = request.num_tokens
-    last = max(tokens - tokens % size - size, 0)
-    prefill_end = max(request.num_prompt_tokens, tokens - 1)
-    if start != last or start + size >= prefill_end:
-        return False
-    note = encoder_cut.last  # (scheduler id, request id, position, asked, given)
-    here = note is not None and note[:3] == (id(call.scheduler), id(request), start)
-    if here and note[4] == call.asked and note[3] > call.asked:  # type: ignore[index]
-        return False  # the encoder check cut it: 0.28's order may give that chunk
-    longest = longest_chunk(call.scheduler)
-    return longest is not None and size <= longest
-
-
 def tail_frees_room_at(scheduler: Any, request: Any, start: int, cut: int, answer: int) -> bool:
-    """:func:`~vllm_mamba_fix.decide.decision.tail_frees_room` with the scheduler's numbers, read
-    only where the encoder stop would replace a whole-block answer: the input at
-    ``start + cut``, the cache's room left to it, the slots of the request's own inputs ending
-    in ``(start + answer, start + cut]``. Where it is False the rule keeps the whole block: a
-    chunk of tokens, so the request still moves every step (never a 0 kept)."""
+    """:func:`~vllm_mamba_fix.decide.decision.tail_frees_room` with the scheduler's numbers: the
+    input at ``start + cut``, the cache's room left to it, the slots of the request's own inputs
+    ending in ``(start + answer, start + cut]``. Read only where the encoder stop would replace
+    a whole-block answer (a kept whole block has tokens: the request still moves)."""
     feats = list(getattr(request, "mm_features", None) or ())
     at = start + cut
     later = [i for i, f in enumerate(feats) if f.mm_position.offset >= at]
@@ -423,48 +358,20 @@ def tail_frees_room_at(scheduler: Any, request: Any, start: int, cut: int, answe
     if not later or not isinstance(cached, dict):
         return True  # nothing to wait on the cache for: the encoder stop, as 0.28
     rid, size = request.request_id, request.get_num_encoder_embeds
+    ends = [f.mm_position.offset + f.mm_position.length for f in feats]
     # Its own: inputs it references, and those the chunk covers (the split's to schedule).
-    own = [
-        i
-        for i, f in enumerate(feats)
-        if rid in cached.get(f.identifier, ()) or (f.mm_position.offset < at and _end(f) > start)
-    ]
+    covered = {i for i, f in enumerate(feats) if f.mm_position.offset < at and ends[i] > start}
+    own = [i for i, f in enumerate(feats) if i in covered or rid in cached.get(f.identifier, ())]
     own_ids = {feats[i].identifier for i in own}
     others = {h for h, refs in cached.items() if h not in own_ids and refs - {rid}}
-    held = 0
+    held = sum(size(i) for i in own)
     for other in scheduler.requests.values():
         for i, f in enumerate(other.mm_features or ()):
             if f.identifier in others:
                 others.discard(f.identifier)
                 held += other.get_num_encoder_embeds(i)
-    held += sum(size(i) for i in own)
-    in_tail = sum(size(i) for i in own if start + answer < _end(feats[i]) <= at)
+    in_tail = sum(size(i) for i in own if start + answer < ends[i] <= at)
     return tail_frees_room(size(later[0]), manager.cache_size - held, in_tail)
-
-
-def _end(feature: Any) -> int:
-    return int(feature.mm_position.offset + feature.mm_position.length)
-
-
-def drop_waiting_references(scheduler: Any, request: Any) -> None:
-    """A waiting request whose chunk is 0 lets go of the cached inputs it took a reference on.
-
-    Through 0.27.1 ``schedule()`` runs the encoder check before the split, also in its waiting
-    loop, and the check takes a reference on every cached input in the chunk (a copy's, a
-    repeat's): where the split then answers 0, the request stays waiting and its references
-    hold those inputs while another request's input does not fit. 0.28 splits first and takes
-    none. A running request keeps its own: it holds them until its tokens are computed.
-    The next step's check takes them again where the inputs are still cached."""
-    if getattr(getattr(request, "status", None), "name", "RUNNING") == "RUNNING":
-        return
-    manager = getattr(scheduler, "encoder_cache_manager", None)
-    cached = getattr(manager, "cached", None)  # None: encoder-decoder's manager, no references
-    if not isinstance(cached, dict):
-        return
-    rid = request.request_id
-    for i, feature in enumerate(request.mm_features or ()):
-        if rid in cached.get(feature.identifier, ()):
-            manager.free_encoder_input(request, i)
 
 
 def _scope_test(scope: Any) -> Callable[[Any], bool]:
