@@ -55,7 +55,7 @@ def eagle_remainder_waits(call: Any, start: int) -> bool:
     return bool(limits) and size <= min(limits)
 
 
-def drop_waiting_references(scheduler: Any, request: Any) -> None:
+def drop_waiting_references(scheduler: Any, request: Any) -> bool:
     """A waiting request whose chunk is 0 lets go of the cached inputs it took a reference on.
 
     Through 0.27.1 ``schedule()`` runs the encoder check before the split, also in its waiting
@@ -63,17 +63,20 @@ def drop_waiting_references(scheduler: Any, request: Any) -> None:
     repeat's): where the split then answers 0, the request stays waiting and its references
     hold those inputs while another request's input does not fit. 0.28 splits first and takes
     none. A running request keeps its own: it holds them until its tokens are computed.
-    The next step's check takes them again where the inputs are still cached."""
+    The next step's check takes them again where the inputs are still cached. Returns whether
+    it dropped any (the split rule counts it: the run differs from stock's)."""
     if getattr(getattr(request, "status", None), "name", "RUNNING") == "RUNNING":
-        return
+        return False
     manager = getattr(scheduler, "encoder_cache_manager", None)
     cached = getattr(manager, "cached", None)  # None: encoder-decoder's manager, no references
     if not isinstance(cached, dict):
-        return
-    rid = request.request_id
+        return False
+    rid, dropped = request.request_id, False
     for i, feature in enumerate(request.mm_features or ()):
         if rid in cached.get(feature.identifier, ()):
             manager.free_encoder_input(request, i)
+            dropped = True
+    return dropped
 
 
 def has_known_parameters(method: Callable[..., int]) -> bool:

@@ -248,8 +248,11 @@ class SplitRule:
                 return answer  # a 0 out of the split rule's reach: vLLM's (re-aligning never)
             if can_need_correction(answer, call.asked, start, state.size):
                 answer = self.correct(call._replace(answer=answer), start)
-            if not answer and call.request.has_encoder_inputs:
-                split_reads.drop_waiting_references(call.scheduler, call.request)
+            request = call.request
+            dropping = not answer and request.has_encoder_inputs
+            if dropping and split_reads.drop_waiting_references(call.scheduler, request):
+                rid, dropped = request.request_id, Action.ENCODER_REFERENCES_DROPPED
+                counters.record(dropped, rid, start, 0, state.size)
             return answer
         except Exception as exc:
             return self.fall_back(exc, answer)
