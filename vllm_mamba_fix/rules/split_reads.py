@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_mamba_fix.facts.targets import KNOWN_SPLIT_TRAILING_PARAMETERS, SPLIT_LEADING_PARAMETERS
-from vllm_mamba_fix.rules import encoder_cut
 
 
 def eagle_remainder_waits(call: Any, start: int) -> bool:
@@ -40,10 +39,12 @@ def eagle_remainder_waits(call: Any, start: int) -> bool:
     prefill_end = max(request.num_prompt_tokens, tokens - 1)
     if start != last or start + size >= prefill_end:
         return False
-    note = encoder_cut.last  # (scheduler id, request id, position, asked, given)
-    here = note is not None and note[:3] == (id(call.scheduler), id(request), start)
-    if here and note[4] == call.asked and note[3] > call.asked:  # type: ignore[index]
-        return False  # the encoder check cut it: 0.28's order may give that chunk
+    # An input at the chunk's end (or one look-ahead token past it): the encoder check may
+    # have cut it, and 0.28's order may give that chunk; read from positions, not from the
+    # encoder note (the split rule's), and erring towards leaving the chunk as it is.
+    end = start + answer
+    if any(end <= f.mm_position.offset <= end + 1 for f in request.mm_features or ()):
+        return False
     # A step can give a block: read here, not through facts.blocks.longest_chunk (one file
     # fewer on a corrected call), the same budget and threshold.
     scheduler = call.scheduler
