@@ -9,14 +9,17 @@ counted in the run's figures (`carveout_<name>`) and described in docs/reliabili
 
 - `whole_block_tail`: the split rule's encoder stop replaced a whole-block answer by a chunk
   ending mid-block, at an input that waits on another request (or on the step's encoder
-  budget): the next chunk is a re-aligned one. `decision.decide(..., tail_frees=False)` keeps
-  the whole block; the split wrapper does not pass `tail_frees` yet (a proposal to its owner),
-  so the counterfactual passes it here, as the proposal would.
+  budget): the next chunk is a re-aligned one. Fixed from 0.5.x: the split rule passes
+  `decide(..., tail_frees=)` (`split_rule.tail_frees_room_at`) and keeps the whole block; the
+  counterfactual (`tail_frees_of`, the same numbers read here) stays, so a run it still
+  explains would show that the wiring missed a cut.
 - `waiting_reference`: through 0.27 the encoder check runs before the split, also for a
   waiting request whose chunk then is 0, and takes a reference on a cached input it shares
   (a concurrent copy, a repeat): the input stays held while the request waits, and another
-  request's input does not fit. 0.28 splits first and takes none. The counterfactual drops a
-  waiting request's references after each step; the plugin does not (a proposal).
+  request's input does not fit. 0.28 splits first and takes none. Fixed from 0.5.x: the
+  split rule drops them where the split answers 0 (`split_reads.drop_waiting_references`); the
+  counterfactual drops every waiting request's references after each step (also those of a
+  request whose encoder check itself answered 0, which 0.28 keeps too).
 - `eagle_last_cacheable` (0.15-0.26, MTP): the block-unit rule's re-align after a sub-block
   chunk stock schedules from the last cacheable boundary under EAGLE, which 0.28 floors to 0
   (`eagle_last_cacheable_realigns`); the run may exceed its bound by one step per such

@@ -162,3 +162,71 @@ def test_a_0_out_of_scope_is_vllms_whatever_the_rules() -> None:
             for beyond in (False, True):
                 assert correct(req, asked, beyond=beyond) == 0, (at, asked, beyond)
     assert zeros > 10
+
+
+def _holder(rid: str, status: str) -> Any:
+    """A request with one image of 10 embeddings, hash "img", in the given status."""
+    return SimpleNamespace(
+        request_id=rid, status=SimpleNamespace(name=status), has_encoder_inputs=True,
+        mm_features=[SimpleNamespace(identifier="img")], get_num_encoder_embeds=lambda i: 10,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("status", ["WAITING", "PREEMPTED", "RUNNING"])
+def test_a_waiting_zero_drops_the_references_its_check_took(status: str) -> None:
+    """Issue 44 item 4 (`waiting_reference`): vLLM's encoder cache manager, a reference taken
+    by the check of a request whose split answers 0; a waiting request lets it go (the
+    input becomes freeable, as in 0.28, which takes none), a running one keeps it."""
+    manager_type = pytest.importorskip("vllm.v1.core.encoder_cache_manager").EncoderCacheManager
+    manager = manager_type(cache_size=20)
+    owner, copy = _holder("owner", "RUNNING"), _holder("copy", status)
+    assert manager.can_allocate(owner, 0, 20, 0)
+    manager.allocate(owner, 0)
+    manager.free_encoder_input(owner, 0)  # computed and consumed: cached, freeable
+    assert manager.check_and_update_cache(copy, 0)  # the copy's check takes a reference
+    scheduler = SimpleNamespace(encoder_cache_manager=manager)
+    wrap = WrapOptions(PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL))
+    rule = SplitRule(lambda *a: 0, wrap)
+    state = SplitState(BLOCK, quiet=False, settled_for=wrap)
+    copy.num_computed_tokens, copy.num_prompt_tokens, copy.num_tokens = 0, PROMPT, PROMPT
+    copy.num_output_tokens = 0
+    assert rule.look(SplitCall(scheduler, copy, 100, 0, 0, state, ())) == 0
+    held = "copy" in manager.cached["img"]
+    assert held is (status == "RUNNING")
+    assert manager.num_freeable_slots == (10 if status == "RUNNING" else 20)
+
+
+def _imaged(rid: str, images: tuple[tuple[int, int], ...]) -> Any:
+    """A waiting-for-its-chunk request with images (offset, length), hashed by rid and index,
+    each of as many encoder embeddings as tokens."""
+    feats = [
+        SimpleNamespace(identifier=f"{rid}-{i}", mm_position=SimpleNamespace(offset=o, length=n))
+        for i, (o, n) in enumerate(images)
+    ]
+    req = request(rid)
+    req.mm_features, req.status = feats, SimpleNamespace(name="RUNNING")
+    req.get_num_encoder_embeds = lambda i: images[i][1]
+    return req
+
+
+@pytest.mark.parametrize("other_holds", [True, False])
+def test_a_whole_block_is_kept_where_the_tail_frees_nothing(other_holds: bool) -> None:
+    """Issue 44 item 4 (`whole_block_tail`), vLLM's encoder cache manager: the check cut
+    [0, 600) at an image at 600 (from 900); the split's whole-block answer is [0, 512).
+    Where the image waits on another request's input (the tail, with no input of its own,
+    frees nothing) the whole block is kept; where the request's own image in the tail
+    holds the room, the chunk ends at the cut (the encoder stop, as 0.28)."""
+    manager_type = pytest.importorskip("vllm.v1.core.encoder_cache_manager").EncoderCacheManager
+    manager = manager_type(cache_size=300)
+    req = _imaged("r", ((400, 150), (600, 200)) if not other_holds else ((600, 200),))
+    other = _imaged("o", ((0, 200),))
+    holder = other if other_holds else req
+    assert manager.can_allocate(holder, 0, 1000, 0)
+    manager.allocate(holder, 0)  # held: the other's image, or r's own at 400 (in the tail)
+    req.cut_from = 900
+    wrap = WrapOptions(PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL))
+    scheduler = SimpleNamespace(encoder_cache_manager=manager, requests={"r": req, "o": other})
+    encoder_cut.note(scheduler, req, 0, 900, 600)
+    call = SplitCall(scheduler, req, 600, vllm_split(scheduler, req, 600), 0, SplitState(BLOCK), ())
+    assert call.answer == 512
+    assert SplitRule(vllm_split, wrap).correct(call, 0) == (512 if other_holds else 600)

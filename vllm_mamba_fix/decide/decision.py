@@ -41,6 +41,9 @@ class Action(enum.Enum):
     # The block-unit rule: vLLM's split, asked with the cache's block, ended the
     # chunk elsewhere than with cache_config.block_size (vLLM #54076).
     BLOCK_ALIGNED = "block-aligned"
+    # A waiting request whose split answered 0 let go of the cached encoder inputs its
+    # encoder check took a reference on (0.28 splits first and takes none).
+    ENCODER_REFERENCES_DROPPED = "encoder-references-dropped"
 
 
 class Decision(NamedTuple):

@@ -51,6 +51,7 @@ ACTION_KEYS: dict[Action, str] = {
     Action.STOPPED_AT_ENCODER_INPUT: "chunks_stopped_at_encoder_input",
     Action.SPECULATIVE_STALL_RELEASED: "speculative_stalls_released",
     Action.BLOCK_ALIGNED: "block_rule_chunks",
+    Action.ENCODER_REFERENCES_DROPPED: "encoder_references_dropped",
 }
 # The rule whose correction each action is (a log field).
 ACTION_RULES: dict[Action, str] = {
@@ -59,12 +60,13 @@ ACTION_RULES: dict[Action, str] = {
     Action.STOPPED_AT_ENCODER_INPUT: Rule.SPLIT.value,
     Action.SPECULATIVE_STALL_RELEASED: Rule.SPECULATIVE_STALL.value,
     Action.BLOCK_ALIGNED: Rule.BLOCK_UNIT.value,
+    Action.ENCODER_REFERENCES_DROPPED: Rule.SPLIT.value,
 }
 STALL_KEYS = ("stalls_detected", "stalls_resolved", "stalls_ended")
 KEYS: tuple[str, ...] = (*ACTION_KEYS.values(), *STALL_KEYS)
 # Corrections logged at debug only: the block-unit rule's engagement line says it once
 # per scheduler, and it changes most chunks of a long prompt.
-_QUIET = frozenset({Action.BLOCK_ALIGNED})
+_QUIET = frozenset({Action.BLOCK_ALIGNED, Action.ENCODER_REFERENCES_DROPPED})
 
 _lock = threading.Lock()
 wall_clock = time.time  # tests put their own here

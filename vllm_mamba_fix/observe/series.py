@@ -53,6 +53,7 @@ SERIES: dict[str, Series] = {
     "chunks_realigned": _correction("split", "realigned"),
     "chunks_stopped_at_encoder_input": _correction("split", "stopped-at-encoder-input"),
     "speculative_stalls_released": _correction("speculative-stall", "released"),
+    "encoder_references_dropped": _correction("split", "encoder-references-dropped"),
     "block_rule_chunks": Series(
         "vllm_mamba_fix_block_rule_chunks",
         "Chunks the block-unit rule ended at the Mamba cache's block (vLLM #54076)",

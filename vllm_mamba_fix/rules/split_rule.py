@@ -16,7 +16,8 @@
 #           encoder inputs before the split.
 """The split method's wrapper and the split rule, top to bottom.
 
-1. :class:`WrapOptions`: which rules a built wrapper carries.
+1. :class:`WrapOptions` (kept in :mod:`~vllm_mamba_fix.rules.split_settle`, which reads it):
+   which rules a built wrapper carries.
 2. Per scheduler, once: its :class:`~vllm_mamba_fix.facts.blocks.SplitState`, settled at its
    first split (:mod:`vllm_mamba_fix.rules.split_settle`; the block-unit rule's view of
    ``cache_config`` is given to the scheduler there, so vLLM's split floors in the cache's
@@ -28,7 +29,8 @@
    block-unit rule's count (and its stop where ``starved``), a 0 out of the rule's scope
    returned as it is, else :meth:`SplitRule.correct`, which asks
    :func:`vllm_mamba_fix.decide.decision.decide` with plain numbers and counts the
-   correction.
+   correction; what it reads of the scheduler besides is :func:`tail_frees_room_at` and
+   :mod:`vllm_mamba_fix.rules.split_reads` (issue 44 item 4).
 
 The fast-path predicates are :func:`~vllm_mamba_fix.decide.decision.can_need_correction`
 and :func:`~vllm_mamba_fix.decide.decision.whole_chunks_may_cross`, beside ``decide()`` and
@@ -39,9 +41,7 @@ the scheduler and request are vLLM's.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import failure_reporter
@@ -54,49 +54,23 @@ from vllm_mamba_fix.decide.decision import (
     decide,
     in_prefill_by_output_tokens,
     in_prefill_by_position,
+    tail_frees_room,
 )
-from vllm_mamba_fix.decide.scope import ScopePolicy, builtin_scope
+from vllm_mamba_fix.decide.scope import builtin_scope
 from vllm_mamba_fix.facts.blocks import SPLIT_ATTR, SplitState
 from vllm_mamba_fix.facts.config import Scope
 from vllm_mamba_fix.facts.targets import (
     EXTRA_COMPUTED_PARAMETERS,
-    KNOWN_SPLIT_TRAILING_PARAMETERS,
-    SPLIT_LEADING_PARAMETERS,
     Args,
     Kwargs,
 )
 from vllm_mamba_fix.facts.versions import PrefillGate
 from vllm_mamba_fix.observe import counters, record
-from vllm_mamba_fix.rules import block_unit, encoder_cut
+from vllm_mamba_fix.rules import block_unit, encoder_cut, split_reads
 from vllm_mamba_fix.rules.marking import marked
-from vllm_mamba_fix.rules.split_settle import settle
+from vllm_mamba_fix.rules.split_settle import WrapOptions, settle
 
 # -- 1. options ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WrapOptions:
-    """Options of the split wrapper: which of its rules it carries."""
-
-    prefill_gate: PrefillGate
-    scope: ScopePolicy
-    # The split rule: collapse, re-align and encoder stop for in-scope requests.
-    deadlock_rules: bool = True
-    # The block-unit rule: the cache's block where the sizes differ, and (where
-    # ``realign_others``) any request that starts mid-block re-aligned.
-    block_rule: bool = True
-    # Re-align a chunk of the split rule's own requests that starts mid-block and would
-    # cross the next boundary (tests switch it off to show what it prevents).
-    realign: bool = True
-    # The block-unit rule re-aligns every other request too: only where the release's
-    # split does not stop every mid-block chunk at the next boundary itself (0.15-0.26).
-    realign_others: bool = True
-    # The release's split floors the chunk's end (0.26+), not its length: how the
-    # block-unit rule's count tells a chunk it changed.
-    absolute_end: bool = False
-    # The release's split advances sub-block through a block wider than its longest chunk
-    # (0.27+); before, a 0 of a block beyond every chunk never clears.
-    advances_sub_block: bool = True
 
 
 # The fast wrapper's default for a trailing argument its caller left out: methods with
@@ -104,17 +78,6 @@ class WrapOptions:
 # (that alone costs about 0.6 us a call).
 NOT_GIVEN: Any = object()
 NO_KWARGS: Kwargs = {}  # the known signature's keywords: none (only unpacked, never changed)
-
-
-def has_known_parameters(method: Callable[..., int]) -> bool:
-    parameters = list(inspect.signature(method).parameters.values())[
-        len(SPLIT_LEADING_PARAMETERS) :
-    ]
-    names = tuple(p.name for p in parameters)
-    known = KNOWN_SPLIT_TRAILING_PARAMETERS
-    return names in (known[:2], known) and all(
-        p.kind is p.POSITIONAL_OR_KEYWORD and p.default == 0 for p in parameters
-    )
 
 
 def extra_computed_tokens(args: Args, kwargs: Kwargs) -> int:
@@ -130,7 +93,7 @@ def extra_computed_tokens(args: Args, kwargs: Kwargs) -> int:
 def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable[..., int]:
     """Wrap the split ``original``; vLLM's own exceptions propagate, the wrapper's never do."""
     rule = SplitRule(original, options)
-    if has_known_parameters(original):
+    if split_reads.has_known_parameters(original):
         wrapper = _known_signature(original, options, rule)
     else:
         wrapper = _any_signature(original, options, rule)
@@ -172,7 +135,9 @@ def _known_signature(
                 if not state.whole_chunks_cross:
                     return answer
                 start = request.num_computed_tokens + local + external
-                if stays_in_block(start, answer, state.size):
+                if stays_in_block(start, answer, state.size) and (
+                    answer >= state.size or start % state.size or not getattr(self, "use_eagle", 0)
+                ):  # a sub-block chunk from a boundary under EAGLE: see eagle_remainder_waits
                     return answer
             elif not answer and (takes is None or not takes(request)):
                 return answer  # a 0 out of the split rule's reach (re-aligning never acts)
@@ -274,11 +239,20 @@ class SplitRule:
                 answer = self._block_unit(call, start)
             if answer == call.asked:
                 if stays_in_block(start, answer, state.size):
+                    if self.realign_others and split_reads.eagle_remainder_waits(call, start):
+                        rid = call.request.request_id
+                        counters.record(Action.REALIGNED, rid, start, 0, state.size)
+                        return 0
                     return answer
             elif not answer and (call.asked <= 0 or not self.takes(call.request)):
                 return answer  # a 0 out of the split rule's reach: vLLM's (re-aligning never)
             if can_need_correction(answer, call.asked, start, state.size):
                 answer = self.correct(call._replace(answer=answer), start)
+            request = call.request
+            dropping = not answer and request.has_encoder_inputs
+            if dropping and split_reads.drop_waiting_references(call.scheduler, request):
+                rid, dropped = request.request_id, Action.ENCODER_REFERENCES_DROPPED
+                counters.record(dropped, rid, start, 0, state.size)
             return answer
         except Exception as exc:
             return self.fall_back(exc, answer)
@@ -335,7 +309,10 @@ class SplitRule:
                 if wait:
                     return answer
                 ruled_out = ruled_out or uncut is None
-        decision = decide(answer, asked, start, state.size, uncut)
+        tail_frees = None
+        if uncut is not None and uncut > answer > 0 and not (start + answer) % state.size:
+            tail_frees = tail_frees_room_at(call.scheduler, request, start, asked, answer)
+        decision = decide(answer, asked, start, state.size, uncut, tail_frees)
         return self._apply(call, start, decision, ruled_out)
 
     def _apply(self, call: SplitCall, start: int, decision: Decision, ruled_out: bool) -> int:
@@ -370,6 +347,35 @@ class SplitRule:
         if note[3] <= asked:
             return None
         return self.original(scheduler, request, note[3], *call.args, **call.kwargs)
+
+
+def tail_frees_room_at(scheduler: Any, request: Any, start: int, cut: int, answer: int) -> bool:
+    """:func:`~vllm_mamba_fix.decide.decision.tail_frees_room` with the scheduler's numbers: the
+    input at ``start + cut``, the cache's room left to it, the slots of the request's own inputs
+    ending in ``(start + answer, start + cut]``. Read only where the encoder stop would replace
+    a whole-block answer (a kept whole block has tokens: the request still moves)."""
+    feats = list(getattr(request, "mm_features", None) or ())
+    at = start + cut
+    later = [i for i, f in enumerate(feats) if f.mm_position.offset >= at]
+    manager = getattr(scheduler, "encoder_cache_manager", None)
+    cached = getattr(manager, "cached", None)
+    if not later or not isinstance(cached, dict):
+        return True  # nothing to wait on the cache for: the encoder stop, as 0.28
+    rid, size = request.request_id, request.get_num_encoder_embeds
+    ends = [f.mm_position.offset + f.mm_position.length for f in feats]
+    # Its own: inputs it references, and those the chunk covers (the split's to schedule).
+    covered = {i for i, f in enumerate(feats) if f.mm_position.offset < at and ends[i] > start}
+    own = [i for i, f in enumerate(feats) if i in covered or rid in cached.get(f.identifier, ())]
+    own_ids = {feats[i].identifier for i in own}
+    others = {h for h, refs in cached.items() if h not in own_ids and refs - {rid}}
+    held = sum(size(i) for i in own)
+    for other in scheduler.requests.values():
+        for i, f in enumerate(other.mm_features or ()):
+            if f.identifier in others:
+                others.discard(f.identifier)
+                held += other.get_num_encoder_embeds(i)
+    in_tail = sum(size(i) for i in own if start + answer < ends[i] <= at)
+    return tail_frees_room(size(later[0]), manager.cache_size - held, in_tail)
 
 
 def _scope_test(scope: Any) -> Callable[[Any], bool]:

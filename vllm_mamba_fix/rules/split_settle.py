@@ -15,11 +15,13 @@ it under that literal name on its hot path.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.decision import whole_chunks_may_cross
+from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.facts.blocks import (
     BLOCK_ATTR,
     CACHE_CONFIG_ATTR,
@@ -31,11 +33,37 @@ from vllm_mamba_fix.facts.blocks import (
     unit_of_scheduler,
 )
 from vllm_mamba_fix.facts.targets import MARKER
+from vllm_mamba_fix.facts.versions import PrefillGate
 from vllm_mamba_fix.rules import block_unit
 
 # The split wrapper's options (rules/split_rule.py, WrapOptions): read by attribute, so this
 # module stays below the corrector in the import graph.
 SplitOptions = Any
+
+
+@dataclass(frozen=True)
+class WrapOptions:
+    """Options of the split wrapper: which of its rules it carries."""
+
+    prefill_gate: PrefillGate
+    scope: ScopePolicy
+    # The split rule: collapse, re-align and encoder stop for in-scope requests.
+    deadlock_rules: bool = True
+    # The block-unit rule: the cache's block where the sizes differ, and (where
+    # ``realign_others``) any request that starts mid-block re-aligned.
+    block_rule: bool = True
+    # Re-align a chunk of the split rule's own requests that starts mid-block and would
+    # cross the next boundary (tests switch it off to show what it prevents).
+    realign: bool = True
+    # The block-unit rule re-aligns every other request too: only where the release's
+    # split does not stop every mid-block chunk at the next boundary itself (0.15-0.26).
+    realign_others: bool = True
+    # The release's split floors the chunk's end (0.26+), not its length: how the
+    # block-unit rule's count tells a chunk it changed.
+    absolute_end: bool = False
+    # The release's split advances sub-block through a block wider than its longest chunk
+    # (0.27+); before, a 0 of a block beyond every chunk never clears.
+    advances_sub_block: bool = True
 
 
 def set_block_unit(scheduler: Any, unit: BlockUnit) -> None:

@@ -79,7 +79,8 @@ class MethodSpec:
 RULES: tuple[RuleSpec, ...] = (
     RuleSpec(
         Rule.SPLIT, "split_rule", SPLIT_METHOD, split_verdict, ENV_SPLIT_RULE,
-        ("collapses_prevented", "chunks_realigned", "chunks_stopped_at_encoder_input"),
+        ("collapses_prevented", "chunks_realigned", "chunks_stopped_at_encoder_input",
+         "encoder_references_dropped"),
         fixes=True,
     ),
     RuleSpec(
