@@ -23,10 +23,10 @@ Exit codes:
      internal error
 """
 
-# The package: one check per module under checks/, a pure verdict from their typed
-# results (verdict), the plans taken from the records (plans), rendering (render) and
-# the command line (cli). It reads the plugin's typed install record
-# (plugin.check_class), never its log text, and the environment only through config.
+# The package: one check per module under checks/, a pure verdict whose one input is the
+# install records the dry run made (verdict), rendering (render) and the command line (cli).
+# It reads the plugin's typed install records (plugin.check_class, record.records()), never
+# its log text, and the environment only through config.
 # The top layer: it may import every layer below (install, rules, observe, decide, facts);
 # only core.py imports install/plugin.py, and hands it to the checks that drive it. This
 # docstring is the command's --help text; what the package holds is this comment.

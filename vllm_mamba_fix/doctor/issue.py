@@ -1,9 +1,9 @@
 """``doctor --report``: the report as one fenced Markdown block to paste into a bug report,
 next to vLLM's ``python -m vllm.collect_env``.
 
-A pure function of doctor's JSON body (``Report.data``) and the machine's facts
-(:mod:`vllm_mamba_fix.doctor.checks.machine`): what ``collect_env`` does not show, the
-plugin, the rules that will run and why, the block sizes, every ``VLLM_MAMBA_FIX*`` setting,
+A pure function of doctor's JSON body (``Report.data``): only what ``collect_env`` does not
+show (it reports torch, Python, the OS, the CPU and the GPUs): the plugin, the vLLM build doctor
+imported, the rules that will run and why, the block sizes, every ``VLLM_MAMBA_FIX*`` setting,
 ``VLLM_PLUGINS`` and the scheduler classes.
 """
 
@@ -52,7 +52,7 @@ def _plugin_rows(data: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def _versions_rows(data: Mapping[str, Any], machine: Mapping[str, Any]) -> list[str]:
+def _versions_rows(data: Mapping[str, Any]) -> list[str]:
     vllm = data.get("vllm", {})
     if vllm.get("importable"):
         dist = vllm.get("distribution") or {}
@@ -61,25 +61,7 @@ def _versions_rows(data: Mapping[str, Any], machine: Mapping[str, Any]) -> list[
         text = f"{vllm.get('version')}{built}, family {family}, at {vllm.get('path')}"
     else:
         text = f"not importable ({vllm.get('error', 'unknown')})"
-    torch = machine.get("torch", {})
-    if isinstance(torch, Mapping):
-        build = ", ".join(f"{k.upper()} {torch[k]}" for k in ("cuda", "hip") if torch.get(k))
-        if "gpu_available" in torch:
-            build += f", GPU available: {torch['gpu_available']}"
-        if not torch.get("imported"):
-            build = "not imported by vLLM; version of the installed distribution"
-        torch_text = f"{torch.get('version') or 'not installed'} ({build or 'CPU build'})"
-    else:
-        torch_text = str(torch)
-    return [
-        _row("vLLM", text),
-        _row("vLLM platform", str(machine.get("vllm_platform") or "not resolved by vLLM yet")),
-        _row("torch", torch_text),
-        _row("python", f"{machine.get('python')} ({machine.get('executable')})"),
-        _row("OS", str(machine.get("os"))),
-        _row("CPU", str(machine.get("cpu"))),
-        _row("GPU", str(machine.get("gpu"))),
-    ]
+    return [_row("vLLM", text)]
 
 
 def _delivered(data: Mapping[str, Any]) -> bool:
@@ -196,8 +178,8 @@ def _fence(text: str) -> str:
     return "`" * max(3, longest + 1)
 
 
-def render_issue(data: Mapping[str, Any], machine: Mapping[str, Any]) -> str:
-    body: list[str] = [*_plugin_rows(data), *_versions_rows(data, machine), ""]
+def render_issue(data: Mapping[str, Any]) -> str:
+    body: list[str] = [*_plugin_rows(data), *_versions_rows(data), ""]
     body += [*_rule_rows(data), *_block_rows(data), "", *_scheduler_rows(data), ""]
     body += _settings_rows(data)
     for heading, items in (("problems", data.get("problems")), ("warnings", data.get("warnings"))):

@@ -1,37 +1,30 @@
-"""Why a rule would not run, from the typed record and the plans: problems and warnings."""
+"""Why a rule would not run, from the install records: problems and warnings."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_mamba_fix.decide.policy import Rule
-from vllm_mamba_fix.doctor.plans import Views
-from vllm_mamba_fix.doctor.verdict import PIN_HINT
+from vllm_mamba_fix.decide.policy import Plan, Rule
+from vllm_mamba_fix.doctor.verdict import PIN_HINT, Found
 from vllm_mamba_fix.facts.config import Settings
-from vllm_mamba_fix.observe.record import ClassRecord
 from vllm_mamba_fix.rules import table as rules
 
 
-def rule_problems(
-    plans: Views, base_record: ClassRecord | None, dry_error: str | None
+def rule_problems(found: Found, dry_error: str | None) -> dict[Rule, str]:
+    """Why each rule the base class's plan gives would not run on it, from its record."""
+    result: dict[Rule, str] = {}
+    base = found.base
+    for rule in base.left_out if base is not None else frozenset():
+        method = base.method(rules.RULE_METHOD[rule])
+        why = (method.note or method.describe()) if method is not None else dry_error
+        result[rule] = f"{rule.value} would not apply: {why or 'no scheduler'}"
+    return result
+
+
+def switched_off(
+    decided: Plan | None, needed: frozenset[Rule], settings: Settings
 ) -> dict[Rule, str]:
-    """Why each planned rule would not install on the base class, from its record."""
-    found: dict[Rule, str] = {}
-    for rule in plans.planned - plans.installed:
-        method = base_record.method(rules.RULE_METHOD[rule]) if base_record else None
-        if method is not None and method.note:
-            why = method.note
-        elif method is not None:
-            why = method.describe()
-        else:
-            why = dry_error or "no scheduler"
-        found[rule] = f"{rule.value} would not apply: {why}"
-    return found
-
-
-def switched_off(plans: Views, needed: frozenset[Rule], settings: Settings) -> dict[Rule, str]:
     """Needed rules that the settings the plugin runs with switch off (the table's switch)."""
-    decided = plans.decided
     found: dict[Rule, str] = {}
     for spec in rules.RULES:
         if decided is None or spec.rule not in needed or decided.verdict(spec.rule).active:

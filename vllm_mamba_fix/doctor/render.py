@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 from vllm_mamba_fix.decide.policy import Rule
-from vllm_mamba_fix.doctor.checks import machine
 from vllm_mamba_fix.doctor.issue import render_issue
 from vllm_mamba_fix.doctor.report import STATUS, Report
 
@@ -42,5 +41,5 @@ def render_json(report: Report) -> str:
 def render_output(report: Report, elapsed: float, as_json: bool, as_issue: bool) -> str:
     """What the command prints: ``--json``, ``--report``, or the text."""
     if as_issue:
-        return render_issue(report.data, machine.collect())
+        return render_issue(report.data)
     return render_json(report) if as_json else render_text(report, elapsed)

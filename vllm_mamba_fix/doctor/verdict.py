@@ -1,18 +1,29 @@
-"""The verdict: pure functions from typed inputs to what the release needs and the status.
+"""The verdict: pure functions from the install records to what the release needs and the
+status.
 
-No I/O, no vLLM import: every input is a value the checks produced.
+:func:`of_records` reads the one input, the plugin's install records (of a real
+``register()`` or of doctor's dry run of it): what runs on each class, what the release
+needs before any setting (a record's verdicts keep it), and what classes need beyond the
+base. :func:`policy` adds only what no record can hold: the release's name, the settings'
+outcome, a --speculative-config, and whether vLLM loads the plugin. No I/O, no vLLM import.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from vllm_mamba_fix.decide.policy import Plan, Rule
 from vllm_mamba_fix.doctor.report import names_text
+from vllm_mamba_fix.facts.blocks import BlockUnit
 from vllm_mamba_fix.facts.config import ENV_MODE, ENV_VLLM_PLUGINS, PLUGIN_NAME, Mode
+from vllm_mamba_fix.facts.targets import SCHEDULER_CLASS, SCHEDULER_MODULE
 from vllm_mamba_fix.facts.versions import Family, Verdict
+from vllm_mamba_fix.observe.record import ClassRecord
 from vllm_mamba_fix.rules.table import FIX_RULES
+
+BASE_SCHEDULER = f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS}"
 
 # FIX_RULES (the rule table's ``fixes``) end a deadlock or a wrong token. The watchdog
 # and stall-end only name or end stalls, so one that would not install is a warning,
@@ -44,28 +55,103 @@ VERDICT_TEXT = {
 }
 
 
-def needed_rules(
-    family: Family,
-    mode: Mode,
-    by_code: Plan,
-    not_eagle: bool,
-    needed_by_classes: frozenset[Rule] = frozenset(),
-) -> frozenset[Rule]:
-    """The fix rules this deployment needs.
+@dataclass(frozen=True)
+class BlockFact:
+    """What a built scheduler's record says about its block sizes."""
 
-    ``not_eagle``: a --speculative-config that is not EAGLE-type, so the
-    speculative stall cannot arise. ``needed_by_classes``: rules a scheduler
-    class needs by its own ``schedule()``, and per-scheduler rules a built
-    scheduler's record shows are needed.
-    """
-    if family.verdict is Verdict.UNKNOWN:
-        needed = {Rule.SPLIT} if mode is Mode.FORCE else set()
-    else:
-        by_release = {r for r in FIX_RULES if r not in PER_SCHEDULER and by_code.verdict(r).active}
-        needed = by_release | set(needed_by_classes)
-    if not_eagle:
-        needed.discard(Rule.SPECULATIVE_STALL)
-    return frozenset(needed)
+    scheduler_class: str
+    unit: BlockUnit
+    runs_block_rule: bool  # the class's wrappers carry the block-unit rule
+    split_idle: str | None
+
+    @property
+    def engaged(self) -> bool:
+        return self.runs_block_rule and self.unit.differs and not self.split_idle
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "class": self.scheduler_class,
+            "block_size": self.unit.mamba,
+            "cache_config_block_size": self.unit.configured,
+            "differs": self.unit.differs,
+            "engaged": self.engaged,
+            "split_idle": self.split_idle,
+            "problem": self.unit.problem,
+        }
+
+    def describe(self) -> str:
+        name = self.scheduler_class
+        if self.split_idle:
+            return f"idle for {name}: {self.split_idle}"
+        if self.unit.mamba is None:
+            return f"cannot tell for {name}: {self.unit.problem}"
+        if not self.unit.differs:
+            return f"not engaged for {name}: both sizes are {self.unit.mamba}"
+        sizes = (
+            f"the Mamba KV cache stores {self.unit.mamba}-token blocks, "
+            f"cache_config.block_size is {self.unit.configured}"
+        )
+        return f"{'engaged' if self.engaged else 'NOT engaged'} for {name}: {sizes}"
+
+
+@dataclass(frozen=True)
+class Found:
+    """What the install records say (:func:`of_records`)."""
+
+    base: ClassRecord | None  # the base Scheduler's record; None: the plugin kept none
+    # Fix rules the base class's code or version needs, before any setting switched or forced one.
+    needed: frozenset[Rule]
+    # Rules a class needs beyond the base: by its own schedule(), or by a built one's block sizes.
+    needed_by: Mapping[Rule, tuple[str, ...]]
+    facts: tuple[BlockFact, ...]  # of the schedulers built in this process (a dry run builds none)
+
+    @property
+    def installed(self) -> frozenset[Rule]:
+        """What runs on the base class: what its wrappers carry."""
+        return self.base.rules if self.base is not None else frozenset()
+
+    @property
+    def planned(self) -> frozenset[Rule]:
+        return self.base.plan.rules if self.base is not None else frozenset()
+
+    @property
+    def release(self) -> Plan | None:
+        """The base class's plan before any setting: what the release needs, and why."""
+        if self.base is None:
+            return None
+        return Plan(tuple(v.by_release for v in self.base.plan.verdicts))
+
+
+def _release_needs(record: ClassRecord, basis: tuple[str, ...]) -> frozenset[Rule]:
+    return frozenset(
+        v.rule
+        for v in (v.by_release for v in record.plan.verdicts)
+        if v.active and v.basis in basis and v.rule in FIX_RULES and v.rule not in PER_SCHEDULER
+    )
+
+
+def of_records(records: Sequence[ClassRecord]) -> Found:
+    """The verdict's one input read: what runs, what the release needs and who needs more.
+
+    ``records``: the plugin's install records, of a real ``register()`` in this process or of
+    doctor's dry run of the same code path (they are the same records)."""
+    base = next((r for r in records if r.scheduler_class == BASE_SCHEDULER), None)
+    needed_by: dict[Rule, list[str]] = {}
+    for found in records:  # a class with its own schedule(): its code decides for it
+        if found.evidence.schedule_owner != SCHEDULER_CLASS:
+            for rule in _release_needs(found, ("code",)):
+                needed_by.setdefault(rule, []).append(found.scheduler_class)
+    facts = tuple(
+        BlockFact(r.scheduler_class, r.block, Rule.BLOCK_UNIT in r.rules, r.split_idle)
+        for r in records
+        if r.block is not None
+    )
+    block = base is not None and base.plan.verdict(Rule.BLOCK_UNIT).by_release.active
+    apart = [f.scheduler_class for f in facts if f.unit.differs and not f.split_idle]
+    if block and apart:  # block-unit: needed where a built scheduler shows the sizes apart
+        needed_by[Rule.BLOCK_UNIT] = apart
+    needed = _release_needs(base, ("code", "version")) if base is not None else frozenset()
+    return Found(base, needed, {r: tuple(c) for r, c in needed_by.items()}, facts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,42 +172,59 @@ class Policy:
 
 
 @dataclasses.dataclass(frozen=True)
-class PolicyInputs:
-    """What :func:`policy` decides from: the release, its needs and the dry run's plans."""
+class Setup:
+    """What the records cannot hold: the release, what the settings let run, the engine's
+    speculative set-up and whether vLLM loads the plugin."""
 
     family: Family
     version: str
-    needed: frozenset[Rule]
-    should_patch: bool
+    should_patch: bool  # the plugin will act (not off, the version readable or forced)
     preflight_reason: str
-    by_code: Plan
-    spared: str  # a rule let off, named
-    # The classes that need a rule by their own schedule() where the base class does not.
-    needed_by: Mapping[Rule, Sequence[str]] | None = None
-    # Per-scheduler rules the dry run installed: they engage at engine start where the sizes
-    # differ, so the plugin acts even where nothing is known to be needed.
-    installed_per_scheduler: frozenset[Rule] = frozenset()
+    by_version: Plan  # what the release data alone says (where no record was kept)
+    not_eagle: str = ""  # the method of a --speculative-config that is not EAGLE-type
     # Per-scheduler rules the set-up shows will engage, with why (a drafter's own KV group).
-    foreseen: Mapping[Rule, str] | None = None
+    foreseen: Mapping[Rule, str] = dataclasses.field(default_factory=dict)
+    delivered: bool = True  # the entry point is found and VLLM_PLUGINS allows it
 
 
-def policy(inputs: PolicyInputs) -> Policy:
+def needed_rules(found: Found, setup: Setup) -> frozenset[Rule]:
+    """The fix rules this deployment needs."""
+    if setup.family.verdict is Verdict.UNKNOWN:  # only force patches an unreadable version
+        needed = {Rule.SPLIT} if setup.should_patch else set()
+    elif found.base is None:  # nothing was read from code: the release data decides
+        by_version = setup.by_version
+        needed = {r for r in FIX_RULES if r not in PER_SCHEDULER and by_version.verdict(r).active}
+    else:
+        needed = set(found.needed)
+    needed |= set(found.needed_by) | set(setup.foreseen)
+    if setup.not_eagle:
+        needed.discard(Rule.SPECULATIVE_STALL)
+    return frozenset(needed)
+
+
+def spared(found: Found, setup: Setup) -> str:
+    """The speculative-stall rule let off by a --speculative-config that is not EAGLE-type."""
+    release = found.release or setup.by_version
+    if setup.not_eagle and release.verdict(Rule.SPECULATIVE_STALL).active:
+        return f"speculative-stall [--speculative-config: {setup.not_eagle} is not EAGLE-type]"
+    return ""
+
+
+def policy(found: Found, setup: Setup) -> Policy:
     """What the release needs and whether the plugin will act."""
-    family, version, needed, should_patch = (
-        inputs.family, inputs.version, inputs.needed, inputs.should_patch,
-    )  # fmt: skip
-    preflight_reason, by_code, spared = inputs.preflight_reason, inputs.by_code, inputs.spared
-    needed_by, foreseen = inputs.needed_by, inputs.foreseen
-    installed_per_scheduler = inputs.installed_per_scheduler
-    reason = preflight_reason
+    family, version, should_patch = setup.family, setup.version, setup.should_patch
+    needed = needed_rules(found, setup)
+    by_code = found.release or setup.by_version
+    reason = setup.preflight_reason
     if needed:
         verdict = "needed-will-patch" if should_patch else "needed-will-not-patch"
         if should_patch:
-            reason = _needed_reason(version, needed, by_code, needed_by, foreseen)
+            reason = _needed_reason(version, needed, by_code, found.needed_by, setup.foreseen)
     elif family.verdict is Verdict.UNKNOWN:
         verdict = "unsupported"
     elif family.verdict is not Verdict.ABSENT:
-        verdict, reason = _unneeded(version, by_code, spared, installed_per_scheduler,
+        per_scheduler = PER_SCHEDULER & found.installed if setup.delivered else frozenset()
+        verdict, reason = _unneeded(version, by_code, spared(found, setup), per_scheduler,
                                     should_patch)  # fmt: skip
     else:
         verdict = "not-needed"

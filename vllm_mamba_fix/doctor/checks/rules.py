@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_mamba_fix.decide.policy import Rule, RuleVerdict
-from vllm_mamba_fix.doctor.plans import BlockFact, Views
+from vllm_mamba_fix.decide.policy import Plan, Rule, RuleVerdict
 from vllm_mamba_fix.doctor.report import Report
-from vllm_mamba_fix.doctor.verdict import ENGAGES_AT_START, PER_SCHEDULER_TEXT, PIN_HINT
-from vllm_mamba_fix.facts.config import ENV_END_STALLS_AFTER, ENV_STALL_SECONDS, Mode, Settings
+from vllm_mamba_fix.doctor.verdict import ENGAGES_AT_START, PER_SCHEDULER_TEXT, PIN_HINT, BlockFact
+from vllm_mamba_fix.facts.config import ENV_END_STALLS_AFTER, ENV_STALL_SECONDS, Settings
 from vllm_mamba_fix.facts.evidence import Evidence
 from vllm_mamba_fix.facts.versions import Family
 from vllm_mamba_fix.rules import table as rules
@@ -45,41 +44,38 @@ def _a_setting(spec: rules.RuleSpec) -> dict[str, Any]:
     return {"active": None, "reason": f"a setting ({spec.switch}), not a fix"}
 
 
-def _code_verdict(
-    spec: rules.RuleSpec, family: Family, evidence: Evidence, by_code: RuleVerdict
-) -> dict[str, Any]:
-    """What the code alone says about a rule: active None when it says nothing."""
-    rule = spec.rule
+def _code_verdict(spec: rules.RuleSpec, evidence: Evidence, release: RuleVerdict) -> dict[str, Any]:
+    """What the code alone says about a rule (the record's verdict before any setting)."""
     if not spec.fixes:
         return _a_setting(spec)
-    if by_code.basis == "code":
-        return {"active": by_code.active, "reason": by_code.reason}
-    if rule is Rule.BLOCK_UNIT:
-        return {"active": None, "reason": "not read from code: each built scheduler's KV cache"}
-    if rule is Rule.SPECULATIVE_STALL and not family.drafter_fallback:
-        return {"active": None, "reason": "not consulted: no drafter fallback on this release"}
-    if rule is Rule.SPLIT:
-        return {"active": None, "reason": evidence.problem or "unreadable"}
-    return {"active": None, "reason": "could not read Scheduler._free_encoder_inputs"}
+    if release.basis == "code":
+        return {"active": release.active, "reason": release.reason}
+    why = evidence.problem if spec.rule is Rule.SPLIT else None
+    return {"active": None, "reason": why or f"not read from code: {release.reason}"}
 
 
 def rule_table(
-    family: Family, views: Views, settings: Settings, inactive_reason: str
+    evidence: Evidence,
+    by_version: Plan,
+    release: Plan,
+    decided: Plan | None,
+    inactive: tuple[str, str],
 ) -> list[dict[str, Any]]:
-    """Per rule of the table: the version's and the code's verdicts, and which one decided."""
+    """Per rule of the table: the version's and the code's verdicts, and which one decided.
+
+    ``release``: the base record's verdicts before any setting; ``decided``: what the plugin
+    runs (None: it will not act, for ``inactive``'s basis and reason)."""
     entries: list[dict[str, Any]] = []
     for spec in rules.RULES:
-        by_release = views.by_version.verdict(spec.rule)
+        by_release = by_version.verdict(spec.rule)
         version = {"active": by_release.active, "reason": by_release.reason}
         if not spec.fixes:
             version = _a_setting(spec)
-        code = _code_verdict(spec, family, views.evidence, views.by_code.verdict(spec.rule))
-        if views.decided is not None:
-            chosen = views.decided.verdict(spec.rule)
+        code = _code_verdict(spec, evidence, release.verdict(spec.rule))
+        active, (basis, reason) = False, inactive
+        if decided is not None:
+            chosen = decided.verdict(spec.rule)
             active, basis, reason = chosen.active, chosen.basis, chosen.reason
-        else:
-            active, basis = False, "setting" if settings.mode is Mode.OFF else "version"
-            reason = inactive_reason
         entries.append(
             {
                 "rule": spec.rule.value,
@@ -117,9 +113,7 @@ def _setting_rule_line(report: Report, entry: dict[str, Any], settings: Settings
     report.add(mark, rule.value, text)
 
 
-def _block_rule_lines(
-    report: Report, entry: dict[str, Any], facts: tuple[BlockFact, ...], family: Family
-) -> None:
+def _block_rule_lines(report: Report, entry: dict[str, Any], facts: tuple[BlockFact, ...]) -> None:
     """block-unit: active by the table; engaged per scheduler, which only a built one shows."""
     decided = f"by {entry['decided_by']}: {entry['reason']}"
     has_split = entry["version"]["active"]
@@ -165,7 +159,7 @@ def rule_lines(
             _setting_rule_line(report, entry, settings)
             continue
         if rule is Rule.BLOCK_UNIT:
-            _block_rule_lines(report, entry, facts, family)
+            _block_rule_lines(report, entry, facts)
             continue
         decided = f"by {entry['decided_by']}: {entry['reason']}"
         if entry["needed"] and entry["problem"]:

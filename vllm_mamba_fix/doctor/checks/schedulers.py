@@ -27,16 +27,14 @@ from vllm_mamba_fix.doctor.report import (
     qualname_of,
     stdout_to_stderr,
 )
-from vllm_mamba_fix.doctor.verdict import PER_SCHEDULER
+from vllm_mamba_fix.doctor.verdict import BASE_SCHEDULER, Found
 from vllm_mamba_fix.facts.config import Settings
-from vllm_mamba_fix.facts.evidence import defining_class
 from vllm_mamba_fix.facts.targets import SCHEDULER_CLASS, SCHEDULER_MODULE
 from vllm_mamba_fix.install import patch
 from vllm_mamba_fix.observe import record
 from vllm_mamba_fix.observe.record import ClassRecord, MethodState
 from vllm_mamba_fix.rules.table import (
     ALL_WRAPPED,
-    FIX_RULES,
     NEEDS,
     RULE_METHOD,
     RULE_METHODS,
@@ -53,7 +51,6 @@ class Plugin(Protocol):
     def check_class(self, cls: type) -> ClassRecord | None: ...
 
 
-BASE_SCHEDULER = f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS}"
 ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
 
 
@@ -81,19 +78,14 @@ class ClassCheck:
     derives: bool  # from the base Scheduler
     record: ClassRecord | None  # None: not loaded, not derived, or the plugin kept none
     resolves_to_wrapper: dict[str, bool]  # per rule method, checked while the patch is on
-    # Defines a schedule() of its own (not the base's), so its code evidence is its own.
-    own_schedule: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class DryRun:
     base: type | None
-    base_record: ClassRecord | None  # None only where the plugin never ran or the base is missing
     wrapped: tuple[str, ...]  # the rule methods wrapped on the base class
     classes: tuple[ClassCheck, ...]
-    records: tuple[ClassRecord, ...]  # record.records() while the patch was on
-    # Of a scheduler already built in this process; a dry run builds none, so None.
-    block_size: int | None
+    records: tuple[ClassRecord, ...]  # record.records() while the patch was on: the verdict's input
 
 
 def _base_or_none() -> type | None:
@@ -142,12 +134,11 @@ def _check_all(targets: list[Target], plugin: Plugin) -> list[ClassCheck]:
             checks.append(ClassCheck(target, cls, False, None, {}))
             continue
         resolves = {name: patch.resolves_to_wrapper(cls, name) for name in RULE_METHODS}
-        own = derives and defining_class(cls, "schedule") not in (None, base)
         # The record as it stands now: settling a later class may have put a wrapper on a
         # base of this one, and the plugin re-describes the classes settled before.
         if found is not None:
             found = record.recorded(found.scheduler_class) or found
-        checks.append(ClassCheck(target, None, derives, found, resolves, own))
+        checks.append(ClassCheck(target, None, derives, found, resolves))
     return checks
 
 
@@ -220,20 +211,7 @@ def dry_run(
         info["error"] = _left_stock(base_record, wrapped) if base_record else None
     if not restored:
         report.warnings.append("the dry run could not restore the stock methods (harmless here)")
-    block = next((r.block.mamba for r in records if r.block is not None), None)
-    return DryRun(base, base_record, wrapped, tuple(checks), records, block)
-
-
-def own_needs(check: ClassCheck) -> frozenset[Rule]:
-    """Fix rules a class needs by its own ``schedule()`` (not the base's): its record's code
-    verdicts. A rule that engages per scheduler is needed by what a built one shows."""
-    if not check.own_schedule or check.record is None:
-        return frozenset()
-    return frozenset(
-        v.rule
-        for v in check.record.plan.verdicts
-        if v.active and v.basis == "code" and v.rule in FIX_RULES and v.rule not in PER_SCHEDULER
-    )
+    return DryRun(base, wrapped, tuple(checks), records)
 
 
 def _method_json(check: ClassCheck, name: str) -> dict[str, Any]:
@@ -245,7 +223,7 @@ def _method_json(check: ClassCheck, name: str) -> dict[str, Any]:
 
 
 def scheduler_entries(
-    report: Report, dry: DryRun, planned: frozenset[Rule], needed: frozenset[Rule]
+    report: Report, dry: DryRun, records: Found, needed: frozenset[Rule]
 ) -> list[dict[str, Any]]:
     """One JSON entry and one line per class; each entry's ``problems`` break a needed rule."""
     label = "scheduler"
@@ -280,8 +258,9 @@ def scheduler_entries(
             why = report.data["dry_run"].get("error") or "the plugin kept no record"
             report.add("info", label, f"{name} ({role}): not settled: {why}")
             continue
-        class_planned = planned | found.plan.rules
-        class_needed = needed | own_needs(check)
+        class_planned = records.planned | found.plan.rules
+        own = {r for r, names in records.needed_by.items() if found.scheduler_class in names}
+        class_needed = needed | own
         if _method_lines(report, entry, check, class_planned, class_needed):
             _runs_lines(report, entry, check, found)
     return entries

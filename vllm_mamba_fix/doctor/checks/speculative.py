@@ -16,10 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_mamba_fix.decide.policy import Plan, Rule
-from vllm_mamba_fix.doctor.checks.mtp_output import mtp_output_warning
 from vllm_mamba_fix.doctor.report import stdout_to_stderr
-from vllm_mamba_fix.facts.versions import Family
-from vllm_mamba_fix.observe.mtp_tokens import VLLM_ISSUE
+from vllm_mamba_fix.facts.versions import Family, Verdict
+from vllm_mamba_fix.observe.mtp_tokens import CAUSE, COMBINATION, RELEASES, VLLM_ISSUE, WORKAROUND
 
 # vLLM 0.27.1's lists, used when the installed release's own cannot be read.
 _EAGLE_METHODS_0_27 = ("eagle", "eagle3", "mtp", "dflash", "dspark")
@@ -156,6 +155,27 @@ def parse_speculative_config(value: str) -> dict[str, Any]:
         if config.get(key) is not None and not isinstance(config[key], str):
             raise argparse.ArgumentTypeError(f"{key!r} must be a string")
     return config
+
+
+SCHEDULER_SIDE = (
+    "the scheduler-side invariants of vLLM #47861/#48375 (EAGLE's last-block drop spares Mamba "
+    "groups; align-mode snapshots only at exact boundaries) already hold in 0.27.1's scheduler"
+)
+
+
+def mtp_output_warning(eagle: bool | None, method: Any, version: str, family: Family) -> str | None:
+    """vLLM #53912 for an EAGLE-type method on a release with the split (0.15+), or None.
+
+    Wrong tokens after a prefix-cache hit on hybrid models, in vLLM's model runner
+    (:mod:`vllm_mamba_fix.observe.mtp_tokens`): a warning about vLLM that changes neither the
+    verdict nor the exit code; doctor cannot see the model or ``--enable-prefix-caching``."""
+    if eagle is not True or family.verdict is Verdict.ABSENT:
+        return None
+    return (
+        f"--speculative-config {method} is EAGLE-type: on vLLM {version}, {COMBINATION} can "
+        f"give wrong tokens after a prefix-cache hit ({VLLM_ISSUE}; {RELEASES}); {CAUSE}, "
+        f"and {SCHEDULER_SIDE}; {WORKAROUND}"
+    )
 
 
 def _what_the_plugin_does(
