@@ -14,4 +14,4 @@ def test_vllm_plugins_without_us_is_not_protected(real: dict[str, Run]) -> None:
     assert "does not list 'mamba_fix'" in run.out
     assert "vLLM does not strip spaces" in run.out  # " mamba_fix" is not "mamba_fix"
     # The same run passed an MTP --speculative-config.
-    assert "method mtp ('qwen3_5_mtp' is an MTP model type" in run.out
+    assert "mtp: EAGLE-type ('qwen3_5_mtp' is an MTP model type" in run.out

@@ -25,6 +25,7 @@ from vllm_mamba_fix.decide.policy import Rule
 from vllm_mamba_fix.doctor import verdict
 from vllm_mamba_fix.doctor.checks.schedulers import default_targets, dry_run
 from vllm_mamba_fix.doctor.core import run as doctor_run
+from vllm_mamba_fix.doctor.render import render_text
 from vllm_mamba_fix.doctor.report import Report
 from vllm_mamba_fix.install import plugin
 
@@ -37,7 +38,7 @@ DRAFTER = dataclasses.replace(SMALL, drafter_block_size=128, block_size_from_gro
 
 def _doctor() -> dict[str, Any]:
     report = doctor_run()
-    report.data["lines"] = [f"{line.label} {line.text}" for line in report.lines]
+    report.data["text"] = render_text(report, 0.0)
     return report.data
 
 
@@ -114,9 +115,8 @@ def test_doctor_inside_the_engine_reads_the_built_schedulers_sizes(load_plugin) 
     facts = [f for f in block["block_facts"] if f["class"] == BASE]
     assert facts and facts[0]["engaged"] and facts[0]["block_size"] == 256
     assert after["status"] == "protected" and after["exit_code"] == 0
-    assert f"engaged for {BASE}: the Mamba KV cache stores 256-token blocks" in " ".join(
-        after["lines"]
-    )
+    sizes = "Mamba KV cache 256, cache_config.block_size 128 (differ, block-unit engaged)"
+    assert f"{BASE}: {sizes}" in after["text"]
     engaged = [m for m in vllm_log if "block-unit rule engaged" in m]
     assert len(engaged) == 1 and "cache_config.block_size is 128" in engaged[0]
 

@@ -1,13 +1,7 @@
-"""``main()``, the command, and ``run()``: the checks in order, the verdict, and the report
-they fill in.
-
-Each step below fills in part of the report. The verdict reads one input, the install
-records the dry run made (:func:`vllm_mamba_fix.doctor.verdict.of_records`): each record's
-plan holds what runs and, where a setting switched or forced a rule, what the release needs.
-
-The dry run and the entry-point check are handed the plugin they check
-(:mod:`vllm_mamba_fix.install.plugin`): this module, the command's, is the one that imports it.
-"""
+"""``main()``, the command, and ``run()``: the checks in order, each filling in part of the
+report's JSON body, then the verdict, whose one input is the install records the dry run made
+(:func:`vllm_mamba_fix.doctor.verdict.of_records`). The one doctor module that imports
+:mod:`vllm_mamba_fix.install.plugin`: it hands it to the dry run and the entry-point check."""
 
 from __future__ import annotations
 
@@ -18,17 +12,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.decide.policy import Plan, PreflightResult, Rule, preflight
-from vllm_mamba_fix.doctor import problems, verdict
+from vllm_mamba_fix.doctor import verdict
 from vllm_mamba_fix.doctor.checks.entry_point import check_entry_point
-from vllm_mamba_fix.doctor.checks.metrics import check_metrics
-from vllm_mamba_fix.doctor.checks.rules import (
-    evidence_json,
-    evidence_text,
-    rule_lines,
-    rule_table,
-)
+from vllm_mamba_fix.doctor.checks.rules import rule_table
 from vllm_mamba_fix.doctor.checks.schedulers import (
     DryRun,
     Target,
@@ -39,10 +26,9 @@ from vllm_mamba_fix.doctor.checks.schedulers import (
 from vllm_mamba_fix.doctor.checks.settings import check_settings
 from vllm_mamba_fix.doctor.checks.speculative import (
     OWN_KV_GROUP_TEXT,
-    SpeculativeCheck,
     check_speculative,
 )
-from vllm_mamba_fix.doctor.checks.stall_end import check_stall_end
+from vllm_mamba_fix.doctor.checks.support import check_metrics, check_stall_end
 from vllm_mamba_fix.doctor.checks.vllm_import import import_step
 from vllm_mamba_fix.doctor.checks.vllm_plugins import check_platform_plugins, check_vllm_plugins
 from vllm_mamba_fix.doctor.cli import build_parser
@@ -152,12 +138,15 @@ def _records_step(state: _Run) -> None:
         why = f"cannot load {verdict.BASE_SCHEDULER}" if dry.base is None else why
         state.evidence = dataclasses.replace(UNREADABLE, problem=f"not read: {why}")
     read_from = verdict.BASE_SCHEDULER if base is not None else None
-    state.report.data["evidence"] = evidence_json(state.evidence, read_from)
+    state.report.data["evidence"] = {
+        "read_from": read_from,
+        "split_after_encoder": state.evidence.split_after_encoder,
+        "deferred_encoder_free": state.evidence.deferred_encoder_free,
+        "problem": state.evidence.problem,
+    }
 
 
-def _speculative_step(
-    state: _Run, speculative_config: Mapping[str, Any] | None
-) -> tuple[SpeculativeCheck, verdict.Setup]:
+def _speculative_step(state: _Run, speculative_config: Mapping[str, Any] | None) -> verdict.Setup:
     """The --speculative-config, and what the verdict needs beyond the records."""
     found = state.found
     spec = check_speculative(
@@ -177,7 +166,7 @@ def _speculative_step(
         state.family, state.version, state.will_patch, state.checked.reason,
         state.by_version, not_eagle, foreseen,
     )  # fmt: skip
-    return spec, setup
+    return setup
 
 
 def _rule_entries_step(
@@ -187,7 +176,7 @@ def _rule_entries_step(
     inactive = ("setting" if state.settings.mode is Mode.OFF else "version", setup.preflight_reason)
     release = found.release or state.by_version
     entries = rule_table(state.evidence, state.by_version, release, state.decided, inactive)
-    rule_problems = problems.rule_problems(found, state.report.data["dry_run"].get("error"))
+    rule_problems = verdict.rule_problems(found, state.report.data["dry_run"].get("error"))
     for entry in entries:
         rule = Rule(entry["rule"])
         fixes = rule in rules.FIX_RULES
@@ -205,48 +194,6 @@ def _rule_entries_step(
     return entries, rule_problems
 
 
-def _headline_lines(state: _Run, chosen: verdict.Policy) -> None:
-    report = state.report
-    report.add("info", "family", f"{state.family.name}: {state.family.summary}")
-    label = verdict.VERDICT_TEXT[chosen.verdict]
-    mark = "fail" if chosen.verdict in ("needed-will-not-patch", "unsupported") else "ok"
-    reason = chosen.reason
-    report.add(mark, "policy", reason if reason.startswith(label) else f"{label}: {reason}")
-    if state.dry is not None:
-        report.add("info", "code", evidence_text(state.evidence))
-
-
-def _dry_run_lines(state: _Run, needed: frozenset[Rule]) -> None:
-    report, base_record = state.report, state.found.base
-    info = report.data["dry_run"]
-    label = "dry run"
-    wrapped = info["wrapped_methods"]
-    how = f"register() with {ENV_MODE}={info['mode']}" if info["forced"] else "register()"
-    if wrapped:
-        hook = "on import of the scheduler module" if info["via"] == "import hook" else "at once"
-        undo = "undone" if info["restored"] else "NOT undone"
-        if info["already_active"]:
-            undo = "already active in this process, so left in place"
-        names = " and ".join(f"Scheduler.{m}" for m in wrapped)
-        plural = "s" if len(wrapped) > 1 else ""
-        text = f"{how} patched {names} {hook}; wrapper{plural} verified; {undo}"
-        if info["forced"]:
-            text += " (would apply if enabled)"
-        report.add("ok", label, text)
-        if base_record is not None and base_record.rules and not info["forced"]:
-            report.add(
-                "info", "",
-                f"expect one line per scheduler class built in each engine core's log: "
-                f"vllm-mamba-fix {__version__} active: {base_record.scheduler_class} carries "
-                f"{', '.join(r.value for r in Rule if r in base_record.rules)} ...",
-            )  # fmt: skip
-    elif not (state.found.planned if base_record else state.by_version.rules):
-        report.add("info", label, f"{how} left the scheduler stock: no rule to install")
-    else:
-        bad = "fail" if needed else "info"
-        report.add(bad, label, f"the patch did not apply: {info['error']}")
-
-
 def _scheduler_step(state: _Run, needed: frozenset[Rule]) -> list[str]:
     """The dry run's lines and one entry per class; returns the classes' problems."""
     report, dry = state.report, state.dry
@@ -254,9 +201,7 @@ def _scheduler_step(state: _Run, needed: frozenset[Rule]) -> list[str]:
     # Of a scheduler already built in this process; a dry run builds none.
     report.data["block_size"] = next((f.unit.mamba for f in state.found.facts), None)
     if dry is None:
-        report.add("skip", "dry run", "skipped: this release has nothing to patch")
         return class_problems
-    _dry_run_lines(state, needed)
     entries = scheduler_entries(report, dry, state.found, needed)
     report.data["schedulers"] = entries
     report.data["install_records"] = [r.to_json() for r in dry.records]
@@ -282,16 +227,8 @@ def _support_lines(state: _Run) -> None:
     if state.dry is None:
         return
     derived = [c.target.qualname for c in state.dry.classes if c.error is None and c.derives]
-    decided = state.decided
-    active = decided is not None and decided.verdict(Rule.STALL_END).active
-    check_stall_end(state.report, derived, active)
+    check_stall_end(state.report, derived)
     check_metrics(state.report)
-
-
-def _without_vllm(report: Report, settings: Settings, version: str | None) -> Report:
-    _delivery_checks(report, settings)
-    report.data["dry_run"] = {"ran": False}
-    return _finish(report, "unknown", version, "", [])
 
 
 def run(
@@ -303,7 +240,9 @@ def run(
     version, family = import_step(report)
     report.data["schedulers"] = []
     if family is None or version is None:
-        return _without_vllm(report, settings, version)
+        _delivery_checks(report, settings)
+        report.data["dry_run"] = {"ran": False}
+        return _finish(report, "unknown", version, "", [])
     state = _Run(
         report,
         settings,
@@ -314,26 +253,18 @@ def run(
     )
     _dry_run_step(state)
     _records_step(state)
-    spec, setup = _speculative_step(state, speculative_config)
-    # Delivery first (its lines are placed below): a rule vLLM will not load is not installed.
-    delivery_lines = Report(data=report.data)
-    delivery = _delivery_checks(delivery_lines, settings)
+    setup = _speculative_step(state, speculative_config)
+    delivery = _delivery_checks(report, settings)  # a rule vLLM will not load does not run
     delivered = delivery.entry_point_error is None and delivery.vllm_plugins_allows
     setup = dataclasses.replace(setup, delivered=delivered)
     chosen = verdict.policy(state.found, setup)
     entries, rule_problems = _rule_entries_step(state, setup, chosen.needed)
     report.data["policy"] = chosen.to_json()
-    # The human report, in reading order.
-    _headline_lines(state, chosen)
-    rule_lines(report, entries, family, settings, state.found.facts)
-    report.add(spec.mark, "speculative", spec.text)
     _support_lines(state)
-    report.lines.extend(delivery_lines.lines)
-    report.warnings.extend(delivery_lines.warnings)
     class_problems = _scheduler_step(state, chosen.needed)
-    rule_problems.update(problems.switched_off(state.decided, chosen.needed, settings))
+    rule_problems.update(verdict.switched_off(state.decided, chosen.needed, settings))
     report.problems.extend(verdict.problems(chosen, delivery, rule_problems, tuple(class_problems)))
-    report.warnings.extend(problems.rule_warnings(entries))
+    report.warnings.extend(verdict.rule_warnings(entries))
     check_platform_plugins(report)
     status = verdict.status(chosen, state.bad_input, report.problems)
     return _finish(report, status, version, chosen.reason, state.bad_input)

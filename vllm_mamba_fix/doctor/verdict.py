@@ -13,14 +13,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_mamba_fix.decide.policy import Plan, Rule
 from vllm_mamba_fix.doctor.report import names_text
 from vllm_mamba_fix.facts.blocks import BlockUnit
-from vllm_mamba_fix.facts.config import ENV_MODE, ENV_VLLM_PLUGINS, PLUGIN_NAME, Mode
+from vllm_mamba_fix.facts.config import ENV_MODE, ENV_VLLM_PLUGINS, PLUGIN_NAME, Mode, Settings
 from vllm_mamba_fix.facts.targets import SCHEDULER_CLASS, SCHEDULER_MODULE
 from vllm_mamba_fix.facts.versions import Family, Verdict
 from vllm_mamba_fix.observe.record import ClassRecord
+from vllm_mamba_fix.rules import table as rules
 from vllm_mamba_fix.rules.table import FIX_RULES
 
 BASE_SCHEDULER = f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS}"
@@ -32,9 +34,6 @@ BASE_SCHEDULER = f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS}"
 # scheduler's Mamba KV cache block differs from cache_config.block_size. A dry run
 # builds no scheduler, so it is needed only by what a built one's record shows.
 PER_SCHEDULER: frozenset[Rule] = frozenset({Rule.BLOCK_UNIT})
-PER_SCHEDULER_TEXT = (
-    "engages per scheduler where the Mamba KV cache's block differs from cache_config.block_size"
-)
 # What to do where a scheduler's two block sizes differ and the block-unit rule does not run.
 PIN_HINT = (
     "vLLM's own chunks can end inside a cached block and cache a stale Mamba state "
@@ -78,20 +77,6 @@ class BlockFact:
             "split_idle": self.split_idle,
             "problem": self.unit.problem,
         }
-
-    def describe(self) -> str:
-        name = self.scheduler_class
-        if self.split_idle:
-            return f"idle for {name}: {self.split_idle}"
-        if self.unit.mamba is None:
-            return f"cannot tell for {name}: {self.unit.problem}"
-        if not self.unit.differs:
-            return f"not engaged for {name}: both sizes are {self.unit.mamba}"
-        sizes = (
-            f"the Mamba KV cache stores {self.unit.mamba}-token blocks, "
-            f"cache_config.block_size is {self.unit.configured}"
-        )
-        return f"{'engaged' if self.engaged else 'NOT engaged'} for {name}: {sizes}"
 
 
 @dataclass(frozen=True)
@@ -322,9 +307,11 @@ def problems(
         if delivery.entry_point_error is not None:
             found.append(delivery.entry_point_error)
         if not delivery.vllm_plugins_allows:
+            raw = delivery.vllm_plugins_env or ""
+            spaced = PLUGIN_NAME in (part.strip() for part in raw.split(","))
             found.append(
-                f"{ENV_VLLM_PLUGINS}={delivery.vllm_plugins_env!r} does not list "
-                f"{PLUGIN_NAME!r}; vLLM will not load the plugin"
+                f"{ENV_VLLM_PLUGINS}={raw!r} does not list {PLUGIN_NAME!r}; vLLM will not load "
+                "the plugin" + (" (vLLM does not strip spaces around names)" if spaced else "")
             )
         for rule in FIX_RULES:
             text = rule_problems.get(rule)
@@ -342,10 +329,8 @@ def status(chosen: Policy | None, bad_input: list[str], found_problems: list[str
         return "invalid-input"
     if chosen is None or chosen.verdict == "unsupported":
         return "unknown"
-    if chosen.verdict == "installed-per-scheduler":
-        return "not-protected" if found_problems else "protected"
-    if not chosen.needed:
-        return "not-needed"
+    if not chosen.needed and chosen.verdict != "installed-per-scheduler":
+        return "not-needed"  # installed-per-scheduler: a rule installs, so never "not needed"
     return "not-protected" if found_problems else "protected"
 
 
@@ -363,3 +348,48 @@ def summary(status_: str, version: str | None, reason: str, found_problems: list
     if version is None:
         return "vLLM is not importable in this interpreter"
     return reason
+
+
+# Why a rule would not run, from the install records: problems and warnings.
+def rule_problems(found: Found, dry_error: str | None) -> dict[Rule, str]:
+    """Why each rule the base class's plan gives would not run on it, from its record."""
+    result: dict[Rule, str] = {}
+    base = found.base
+    for rule in base.left_out if base is not None else frozenset():
+        method = base.method(rules.RULE_METHOD[rule])
+        why = (method.note or method.describe()) if method is not None else dry_error
+        result[rule] = f"{rule.value} would not apply: {why or 'no scheduler'}"
+    return result
+
+
+def switched_off(
+    decided: Plan | None, needed: frozenset[Rule], settings: Settings
+) -> dict[Rule, str]:
+    """Needed rules that the settings the plugin runs with switch off (the table's switch)."""
+    found: dict[Rule, str] = {}
+    for spec in rules.RULES:
+        if decided is None or spec.rule not in needed or decided.verdict(spec.rule).active:
+            continue
+        if spec.switch in settings.switched_off:
+            found[spec.rule] = f"{spec.rule.value} is switched off by {spec.switch}=0"
+    return found
+
+
+def rule_warnings(entries: list[dict[str, Any]]) -> list[str]:
+    """Rules that would not run, where that breaks nothing the release is known to need."""
+    found: list[str] = []
+    for entry in entries:
+        if entry["problem"] and not entry["needed"] and entry["active"]:
+            found.append(entry["problem"])
+        # block-unit off where the release has the split (and no built scheduler needs it).
+        if (
+            entry["rule"] == Rule.BLOCK_UNIT.value
+            and entry["version"]["active"]
+            and not entry["active"]
+            and not entry["needed"]
+        ):
+            found.append(
+                f"block-unit will not run ({entry['decided_by']}: {entry['reason']}); where a "
+                f"scheduler's Mamba KV cache block differs from cache_config.block_size, {PIN_HINT}"
+            )
+    return found

@@ -20,16 +20,16 @@ def check_entry_point(report: Report, register: Callable[..., Any]) -> bool:
 
     info: dict[str, Any] = {"group": PLUGIN_GROUP, "name": PLUGIN_NAME, "found": False}
     report.data["entry_point"] = info
-    label = "entry point"
     try:
         found = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name == PLUGIN_NAME]
     except Exception as exc:
-        info["error"] = one_line(exc)
-        report.add("fail", label, f"cannot read entry points ({info['error']})")
+        info["error"] = f"cannot read entry points ({one_line(exc)})"
         return False
     if not found:
-        info["error"] = f"no {PLUGIN_GROUP} entry point named {PLUGIN_NAME!r} in {sys.executable}"
-        report.add("fail", label, f"{info['error']}; vLLM will never call the plugin")
+        info["error"] = (
+            f"no {PLUGIN_GROUP} entry point named {PLUGIN_NAME!r} in {sys.executable}; "
+            "vLLM will never call the plugin"
+        )
         return False
     ep = found[-1]  # vLLM keeps the last one of a name
     dist = getattr(ep, "dist", None)
@@ -47,14 +47,10 @@ def check_entry_point(report: Report, register: Callable[..., Any]) -> bool:
         func = ep.load()
     except Exception as exc:
         info["error"] = f"{ep.value} does not load ({one_line(exc)})"
-        report.add("fail", label, info["error"])
         return False
     if func is not register:
         info["error"] = f"{PLUGIN_NAME!r} resolves to {ep.value}, not {ENTRY_POINT_VALUE}"
-        report.add("fail", label, info["error"])
         return False
-    owner = f" ({dist.name} {dist.version})" if dist else ""
-    report.add("ok", label, f"{PLUGIN_GROUP}: {PLUGIN_NAME} -> {ep.value}{owner}")
     if dist and dist.version != __version__:
         report.warnings.append(
             f"installed metadata says {dist.name} {dist.version}, but this interpreter imports "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_mamba_fix.doctor.report import Report, stall_end_text, watchdog_text
+from vllm_mamba_fix.doctor.report import Report
 from vllm_mamba_fix.facts import config
 from vllm_mamba_fix.facts.config import Settings
 from vllm_mamba_fix.rules import table as rules
@@ -36,18 +36,4 @@ def check_settings(report: Report, settings: Settings) -> None:
         "other_env": config.other_variables(),
         "problems": list(settings.problems),
     }
-    text = (
-        f"mode {settings.mode.value}, scope {settings.scope.value}, "
-        f"{watchdog_text(settings.stall_seconds)}, {stall_end_text(settings.end_stalls_after)}"
-    )
-    report.add("ok" if not settings.problems else "warn", "settings", text)
-    states = ", ".join(
-        f"{name} {'on' if s['on'] else 'OFF'} ({s['rule']})" for name, s in switched.items()
-    )
-    report.add("info", "", f"rule switches: {states}")
-    set_vars = ", ".join(f"{k}={v!r}" for k, v in env.items() if v is not None)
-    if set_vars:
-        report.add("info", "", f"from {set_vars}")
-    for problem in settings.problems:
-        report.add("warn", "", f"invalid value: {problem}")
-        report.warnings.append(f"invalid value: {problem}")
+    report.warnings.extend(f"invalid value: {problem}" for problem in settings.problems)

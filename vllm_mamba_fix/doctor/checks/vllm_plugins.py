@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 from vllm_mamba_fix.doctor.report import Report
-from vllm_mamba_fix.facts.config import (
-    ENV_VLLM_PLUGINS,
-    PLUGIN_NAME,
-    raw_values,
-    vllm_plugins_allows,
-)
+from vllm_mamba_fix.facts.config import ENV_VLLM_PLUGINS, raw_values, vllm_plugins_allows
 
 PLATFORM_GROUP = "vllm.platform_plugins"
 
@@ -17,18 +12,6 @@ def check_vllm_plugins(report: Report) -> bool:
     raw = raw_values((ENV_VLLM_PLUGINS,))[ENV_VLLM_PLUGINS]
     allows = vllm_plugins_allows()
     report.data["vllm_plugins"] = {"value": raw, "allows": allows}
-    label = ENV_VLLM_PLUGINS
-    if raw is None:
-        report.add("ok", label, "unset: vLLM loads every installed plugin")
-    elif allows:
-        report.add("ok", label, f"{raw!r} lists {PLUGIN_NAME!r}")
-    elif raw == "":
-        report.add("fail", label, "set but empty: vLLM loads no plugins")
-    else:
-        hint = ""
-        if PLUGIN_NAME in (part.strip() for part in raw.split(",")):
-            hint = " (vLLM does not strip spaces around names)"
-        report.add("fail", label, f"{raw!r} does not list {PLUGIN_NAME!r}{hint}")
     return allows
 
 
