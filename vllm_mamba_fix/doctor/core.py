@@ -12,9 +12,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.decide.policy import Plan, PreflightResult, Rule, preflight
 from vllm_mamba_fix.doctor import verdict
-from vllm_mamba_fix.doctor.checks.entry_point import check_entry_point
+from vllm_mamba_fix.doctor.checks.entry_point import (
+    check_entry_point,
+    check_platform_plugins,
+    check_vllm_plugins,
+)
 from vllm_mamba_fix.doctor.checks.rules import rule_table
 from vllm_mamba_fix.doctor.checks.schedulers import (
     DryRun,
@@ -30,7 +35,6 @@ from vllm_mamba_fix.doctor.checks.speculative import (
 )
 from vllm_mamba_fix.doctor.checks.support import check_metrics, check_stall_end
 from vllm_mamba_fix.doctor.checks.vllm_import import import_step
-from vllm_mamba_fix.doctor.checks.vllm_plugins import check_platform_plugins, check_vllm_plugins
 from vllm_mamba_fix.doctor.cli import build_parser
 from vllm_mamba_fix.doctor.render import render_output
 from vllm_mamba_fix.doctor.report import (
@@ -39,12 +43,12 @@ from vllm_mamba_fix.doctor.report import (
     STATUS,
     Report,
     one_line,
+    package_path,
 )
 from vllm_mamba_fix.facts.config import ENV_MODE, Mode, Settings, load_settings
 from vllm_mamba_fix.facts.evidence import UNREADABLE, Evidence
 from vllm_mamba_fix.facts.versions import Family, Verdict
 from vllm_mamba_fix.install import plugin
-from vllm_mamba_fix.observe import record
 from vllm_mamba_fix.rules import table as rules
 from vllm_mamba_fix.rules.table import plan
 
@@ -134,8 +138,7 @@ def _records_step(state: _Run) -> None:
     elif base is not None:
         state.evidence = base.evidence
     else:
-        why = state.report.data["dry_run"].get("error") or "no record"
-        why = f"cannot load {verdict.BASE_SCHEDULER}" if dry.base is None else why
+        why = state.report.data["dry_run"].get("error") or "no record"  # cannot load it, ...
         state.evidence = dataclasses.replace(UNREADABLE, problem=f"not read: {why}")
     read_from = verdict.BASE_SCHEDULER if base is not None else None
     state.report.data["evidence"] = {
@@ -222,21 +225,12 @@ def _scheduler_step(state: _Run, needed: frozenset[Rule]) -> list[str]:
     return class_problems
 
 
-def _support_lines(state: _Run) -> None:
-    """What two other modules say this release supports: ending stalls, /metrics."""
-    if state.dry is None:
-        return
-    derived = [c.target.qualname for c in state.dry.classes if c.error is None and c.derives]
-    check_stall_end(state.report, derived)
-    check_metrics(state.report)
-
-
 def run(
     scheduler_cls: Sequence[str] = (), speculative_config: Mapping[str, Any] | None = None
 ) -> Report:
-    report = Report()
-    settings = load_settings()
-    report.describe_tool()
+    report, settings = Report(), load_settings()
+    report.data["tool"] = {"name": "vllm-mamba-fix", "version": __version__,
+                           "package_path": package_path(), "python": sys.executable}  # fmt: skip
     version, family = import_step(report)
     report.data["schedulers"] = []
     if family is None or version is None:
@@ -260,7 +254,9 @@ def run(
     chosen = verdict.policy(state.found, setup)
     entries, rule_problems = _rule_entries_step(state, setup, chosen.needed)
     report.data["policy"] = chosen.to_json()
-    _support_lines(state)
+    if state.dry is not None:  # what two other modules say this release supports
+        check_stall_end(report, [c.target.qualname for c in state.dry.classes if c.derives])
+        check_metrics(report)
     class_problems = _scheduler_step(state, chosen.needed)
     rule_problems.update(verdict.switched_off(state.decided, chosen.needed, settings))
     report.problems.extend(verdict.problems(chosen, delivery, rule_problems, tuple(class_problems)))
@@ -297,4 +293,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(report.data["exit_code"])
 
 
-__all__ = ["main", "record", "run"]
+__all__ = ["main", "run"]

@@ -1,11 +1,8 @@
-"""``doctor --report``: the report as one fenced Markdown block to paste into a bug report,
-next to vLLM's ``python -m vllm.collect_env``.
-
-A pure function of doctor's JSON body (``Report.data``): only what ``collect_env`` does not
-show (it reports torch, Python, the OS, the CPU and the GPUs): the plugin, the vLLM build doctor
-imported, the rules that will run and why, the block sizes, every ``VLLM_MAMBA_FIX*`` setting,
-``VLLM_PLUGINS`` and the scheduler classes.
-"""
+"""The one renderer of doctor's JSON body (``Report.data``) into rows: the text report prints
+them, ``--report`` fences them to paste into a bug report next to ``python -m
+vllm.collect_env``. Only what ``collect_env`` does not show (torch, Python, the OS, the CPU and
+the GPUs are its): the plugin, the vLLM build, the rules and why, the block sizes, the dry run,
+the scheduler classes, every ``VLLM_MAMBA_FIX*`` setting and ``VLLM_PLUGINS``."""
 
 from __future__ import annotations
 
@@ -219,12 +216,6 @@ def _settings_rows(data: Mapping[str, Any]) -> list[str]:
     return rows
 
 
-def _fence(text: str) -> str:
-    """A fence longer than any run of backticks in ``text``."""
-    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
-    return "`" * max(3, longest + 1)
-
-
 def issue_body(data: Mapping[str, Any]) -> str:
     """The report's facts, one row each: the text report and ``--report`` both print it."""
     body: list[str] = [*_plugin_rows(data), ""]
@@ -239,7 +230,8 @@ def issue_body(data: Mapping[str, Any]) -> str:
 
 def render_issue(data: Mapping[str, Any]) -> str:
     text = issue_body(data)
-    fence = _fence(text)
+    # A fence longer than any run of backticks in the text.
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
     return (
         f"**{TITLE}** (paste it next to the output of `python -m vllm.collect_env`)\n\n"
         f"{fence}text\n{text}\n{fence}"

@@ -46,14 +46,6 @@ class Report:
     warnings: list[str] = dataclasses.field(default_factory=list)
     data: dict[str, Any] = dataclasses.field(default_factory=dict)  # the JSON body
 
-    def describe_tool(self) -> None:
-        self.data["tool"] = {
-            "name": "vllm-mamba-fix",
-            "version": _version.__version__,
-            "package_path": package_path(),
-            "python": sys.executable,
-        }
-
 
 @contextlib.contextmanager
 def stdout_to_stderr() -> Iterator[None]:

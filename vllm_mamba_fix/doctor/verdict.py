@@ -1,12 +1,8 @@
-"""The verdict: pure functions from the install records to what the release needs and the
-status.
-
-:func:`of_records` reads the one input, the plugin's install records (of a real
-``register()`` or of doctor's dry run of it): what runs on each class, what the release
-needs before any setting (a record's verdicts keep it), and what classes need beyond the
-base. :func:`policy` adds only what no record can hold: the release's name, the settings'
-outcome, a --speculative-config, and whether vLLM loads the plugin. No I/O, no vLLM import.
-"""
+"""The verdict, pure functions (no I/O, no vLLM import): :func:`of_records` reads the one
+input, the install records (of a real ``register()`` or of doctor's dry run of it): what runs,
+what the release needs before any setting, what classes need beyond the base. :func:`policy`
+adds what no record holds: the release's name, the settings' outcome, a --speculative-config,
+and whether vLLM loads the plugin."""
 
 from __future__ import annotations
 
@@ -27,12 +23,9 @@ from vllm_mamba_fix.rules.table import FIX_RULES
 
 BASE_SCHEDULER = f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS}"
 
-# FIX_RULES (the rule table's ``fixes``) end a deadlock or a wrong token. The watchdog
-# and stall-end only name or end stalls, so one that would not install is a warning,
-# never "not protected".
-# Fix rules that engage per built scheduler: block-unit is needed only where a
-# scheduler's Mamba KV cache block differs from cache_config.block_size. A dry run
-# builds no scheduler, so it is needed only by what a built one's record shows.
+# FIX_RULES end a deadlock or a wrong token; the watchdog and stall-end only name or end
+# stalls, so one that would not install is a warning, never "not protected". Block-unit engages
+# per built scheduler (where its two block sizes differ): only a built one's record needs it.
 PER_SCHEDULER: frozenset[Rule] = frozenset({Rule.BLOCK_UNIT})
 # What to do where a scheduler's two block sizes differ and the block-unit rule does not run.
 PIN_HINT = (

@@ -1,4 +1,5 @@
-"""Whether vLLM's plugin loader would find and load the plugin's ``register``."""
+"""Will vLLM load the plugin: whether its loader would find and load ``register``, and whether
+``VLLM_PLUGINS`` allows it; and the platform plugins installed."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ from typing import Any
 
 from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.doctor.report import Report, one_line, package_path
-from vllm_mamba_fix.facts.config import PLUGIN_NAME
+from vllm_mamba_fix.facts.config import (
+    ENV_VLLM_PLUGINS,
+    PLUGIN_NAME,
+    raw_values,
+    vllm_plugins_allows,
+)
 
 PLUGIN_GROUP = "vllm.general_plugins"
 ENTRY_POINT_VALUE = "vllm_mamba_fix:register"
+PLATFORM_GROUP = "vllm.platform_plugins"
 
 
 def check_entry_point(report: Report, register: Callable[..., Any]) -> bool:
@@ -57,3 +64,25 @@ def check_entry_point(report: Report, register: Callable[..., Any]) -> bool:
             f"vllm_mamba_fix {__version__} from {package_path()}"
         )
     return True
+
+
+def check_vllm_plugins(report: Report) -> bool:
+    raw = raw_values((ENV_VLLM_PLUGINS,))[ENV_VLLM_PLUGINS]
+    allows = vllm_plugins_allows()
+    report.data["vllm_plugins"] = {"value": raw, "allows": allows}
+    return allows
+
+
+def check_platform_plugins(report: Report) -> None:
+    from importlib.metadata import entry_points
+
+    try:
+        platforms = [f"{ep.name} -> {ep.value}" for ep in entry_points(group=PLATFORM_GROUP)]
+    except Exception:
+        platforms = []
+    report.data["platform_plugins"] = platforms
+    if platforms:
+        report.warnings.append(
+            f"platform plugins installed ({'; '.join(platforms)}): a platform may choose its "
+            "own scheduler class; check it with --scheduler-cls"
+        )

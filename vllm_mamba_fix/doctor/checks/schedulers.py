@@ -72,8 +72,6 @@ class ClassCheck:
 
 @dataclasses.dataclass(frozen=True)
 class DryRun:
-    base: type | None
-    wrapped: tuple[str, ...]  # the rule methods wrapped on the base class
     classes: tuple[ClassCheck, ...]
     records: tuple[ClassRecord, ...]  # record.records() while the patch was on: the verdict's input
 
@@ -126,20 +124,24 @@ def _check_all(targets: list[Target], plugin: Plugin) -> list[ClassCheck]:
     return checks
 
 
-def _not_installed(base: type | None, base_record: ClassRecord | None) -> str:
-    """Why no rule wrapper is on the base class, from its typed record."""
+def _why_stock(
+    base: type | None, base_record: ClassRecord | None, wrapped: tuple[str, ...]
+) -> str | None:
+    """Why a method the base's plan gives a rule carries no wrapper (None: none does), from
+    the base's typed record."""
     if base is None:
         return f"cannot load {BASE_SCHEDULER}"
     if base_record is None:
-        return "the plugin kept no record of the base class (its import hook never ran)"
-    if not base_record.plan.rules:
+        return (
+            None
+            if wrapped
+            else "the plugin kept no record of the base class (its import hook never ran)"
+        )
+    if not wrapped and not base_record.plan.rules:
         return f"no rule to install: {base_record.plan.describe()}"
-    notes = [m.describe() for m in base_record.methods if not m.state.carries_rules]
-    return "; ".join(notes) or "no wrapper was installed"
-
-
-def _left_stock(base_record: ClassRecord, wrapped: tuple[str, ...]) -> str | None:
-    """Why a method the base's plan gives a rule carries no wrapper; None: none is left."""
+    if not wrapped:
+        notes = [m.describe() for m in base_record.methods if not m.state.carries_rules]
+        return "; ".join(notes) or "no wrapper was installed"
     wanted = {RULE_METHOD[rule] for rule in base_record.plan.rules}
     left = [m for m in base_record.methods if m.name in wanted and m.name not in wrapped]
     return "; ".join(m.note or m.describe() for m in left) or None
@@ -188,14 +190,10 @@ def dry_run(
         overriding_subclasses=overriders,
         log=capture.messages(),
     )
-    # Why a method the plan gives a rule stays stock (null: none does).
-    if not wrapped:
-        info["error"] = _not_installed(base, base_record)
-    else:
-        info["error"] = _left_stock(base_record, wrapped) if base_record else None
+    info["error"] = _why_stock(base, base_record, wrapped)
     if not restored:
         report.warnings.append("the dry run could not restore the stock methods (harmless here)")
-    return DryRun(base, wrapped, tuple(checks), records)
+    return DryRun(tuple(checks), records)
 
 
 def _method_json(check: ClassCheck, name: str) -> dict[str, Any]:

@@ -1,12 +1,7 @@
-"""The plugin's own settings (``VLLM_MAMBA_FIX*``), as the plugin will read them.
-
-The raw values come through :func:`vllm_mamba_fix.facts.config.raw_values`, the one reader
-of the environment; the per-rule switches are the rule table's.
-"""
+"""The plugin's own settings (``VLLM_MAMBA_FIX*``), as the plugin will read them, through
+:func:`vllm_mamba_fix.facts.config.raw_values` (the environment's one reader)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from vllm_mamba_fix.doctor.report import Report
 from vllm_mamba_fix.facts import config
@@ -14,18 +9,13 @@ from vllm_mamba_fix.facts.config import Settings
 from vllm_mamba_fix.rules import table as rules
 
 
-def switches(settings: Settings) -> dict[str, dict[str, Any]]:
-    """Per rule switch of the table (``config.SWITCHES``): the rule and whether it is on."""
-    return {
+def check_settings(report: Report, settings: Settings) -> None:
+    env = config.raw_values(config.ALL_VARIABLES)
+    switched = {  # per rule switch of the table (config.SWITCHES): its rule, whether on
         spec.switch: {"rule": spec.rule.value, "on": settings.switched_on(spec.switch)}
         for spec in rules.RULES
         if spec.switch in config.SWITCHES
     }
-
-
-def check_settings(report: Report, settings: Settings) -> None:
-    env = config.raw_values(config.ALL_VARIABLES)
-    switched = switches(settings)
     report.data["settings"] = {
         "mode": settings.mode.value,
         "scope": settings.scope.value,

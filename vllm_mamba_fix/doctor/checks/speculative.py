@@ -1,8 +1,6 @@
 """Speculative decoding: is a ``--speculative-config`` EAGLE-type, and what the plugin does.
-
-The engine decides the speculative set-up only when it starts, so doctor cannot
-see it; ``--speculative-config`` lets it classify the operator's, as vLLM does.
-"""
+The engine decides it only at start; ``--speculative-config`` lets doctor classify it, as
+vLLM does."""
 
 from __future__ import annotations
 
@@ -29,10 +27,9 @@ _MTP_ALIASES_0_27 = (
     "bailing_hybrid_mtp", "kimi_k3_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp",
     "gemma4_mtp", "inkling_mtp",
 )  # fmt: skip
-# Drafters that bring a KV cache group of their own whose block is smaller than a hybrid
-# target's Mamba block: the engine core's minimum over the groups then pulls
-# cache_config.block_size below it (0.34 v1/worker/gpu/model_states/mamba_hybrid.py:
-# "a drafter group with its own smaller block (e.g. DFlash)").
+# Drafters with a KV cache group of their own whose block is smaller than a hybrid target's
+# Mamba block: the engine core's minimum over the groups pulls cache_config.block_size below it
+# (0.34 v1/worker/gpu/model_states/mamba_hybrid.py: "a drafter group ... (e.g. DFlash)").
 OWN_KV_GROUP_METHODS = ("dflash",)
 OWN_KV_GROUP_TEXT = (
     "its drafter brings its own KV cache group with a smaller block, so on a hybrid model "
