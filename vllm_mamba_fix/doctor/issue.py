@@ -10,8 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_mamba_fix.doctor.report import STATUS
-from vllm_mamba_fix.doctor.verdict import VERDICT_TEXT
+from vllm_mamba_fix.doctor.report import STATUS, VERDICT_TEXT
 from vllm_mamba_fix.facts.config import (
     ENV_END_STALLS_AFTER,
     ENV_MODE,

@@ -26,6 +26,14 @@ STATUS: dict[str, tuple[int, str]] = {
     "invalid-input": (EXIT_INVALID_INPUT, "INVALID INPUT"),
     "unknown": (EXIT_CANNOT_TELL, "CANNOT TELL"),
 }
+# The policy verdict in words (the verdict module's Policy.verdict is a key).
+VERDICT_TEXT = {
+    "needed-will-patch": "needed, will patch",
+    "needed-will-not-patch": "needed, but will NOT patch",
+    "installed-per-scheduler": "installed, engages per scheduler",
+    "not-needed": "not needed",
+    "unsupported": "unsupported",
+}
 
 
 def package_path() -> str:

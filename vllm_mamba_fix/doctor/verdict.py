@@ -38,14 +38,6 @@ ENGAGES_AT_START = (
     "cache_config.block_size (the engine core sets that to the smallest KV cache group block)"
 )
 
-VERDICT_TEXT = {
-    "needed-will-patch": "needed, will patch",
-    "needed-will-not-patch": "needed, but will NOT patch",
-    "installed-per-scheduler": "installed, engages per scheduler",
-    "not-needed": "not needed",
-    "unsupported": "unsupported",
-}
-
 
 @dataclass(frozen=True)
 class BlockFact:
@@ -134,7 +126,7 @@ def of_records(records: Sequence[ClassRecord]) -> Found:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    verdict: str  # a key of VERDICT_TEXT
+    verdict: str  # a key of report.VERDICT_TEXT
     needed: frozenset[Rule]
     should_patch: bool
     reason: str
