@@ -108,7 +108,8 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     (site / "doctor_test_sched.py").write_text(CUSTOM_SCHEDULERS)
     jobs: dict[str, tuple[list[str], dict[str, str]]] = {
         "json": (_doctor("--json"), {}),
-        "script": ([str(CONSOLE_SCRIPT)], {}),  # no subcommand: doctor is the default
+        # no subcommand: doctor is the default; this checkout, as the other runs import it
+        "script": ([str(CONSOLE_SCRIPT)], {"PYTHONPATH": str(REPO)}),
         "off": (_doctor("--json"), {"VLLM_MAMBA_FIX": "0"}),
         # Two faults in one run: the plugin list, and an invalid value of ours.
         "plugins": (

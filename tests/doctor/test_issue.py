@@ -11,11 +11,9 @@ installed distributions, the machine) or are the settings the test sets.
 from __future__ import annotations
 
 import os
-import platform
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -45,6 +43,11 @@ def _row(body: str, label: str) -> str:
     found = re.search(rf"^{re.escape(label)} +(.+)$", body, re.M)
     assert found is not None, (label, body)
     return found.group(1)
+
+
+def _labels(body: str) -> set[str]:
+    """The labels of the block's top-level rows (the column before the text)."""
+    return {line[:17].strip() for line in body.splitlines() if line and not line.startswith(" ")}
 
 
 def _rules(body: str) -> dict[str, tuple[str, str]]:
@@ -78,11 +81,10 @@ small = dict(block_size=256, max_num_batched_tokens=192, encoder_cache_tokens=25
              max_model_len=1024)
 harness.build_scheduler(HarnessConfig(configured_block_size=128, **small))
 from vllm_mamba_fix.doctor import run
-from vllm_mamba_fix.doctor.checks import machine
 from vllm_mamba_fix.doctor.issue import render_issue
 report = run()
 with open(sys.argv[1], "w") as out:
-    out.write(render_issue(report.data, machine.collect()))
+    out.write(render_issue(report.data))
 """
 
 
@@ -119,13 +121,8 @@ def test_the_default_report_names_versions_rules_blocks_and_settings(
     assert "entry point mamba_fix -> vllm_mamba_fix:register" in _row(body, "vllm-mamba-fix")
     assert _row(body, "doctor").startswith("PROTECTED (exit 0): vLLM ")
     assert _row(body, "vLLM").startswith(f"{_VLLM}") and "family " in _row(body, "vLLM")
-    assert _row(body, "torch").startswith(version("torch"))
-    assert _row(body, "python") == (
-        f"{platform.python_implementation()} {platform.python_version()} ({sys.executable})"
-    )
-    assert platform.platform() in _row(body, "OS")
-    assert f"{os.cpu_count()} logical cores" in _row(body, "CPU")
-    assert _row(body, "vLLM platform") != "not resolved by vLLM yet"  # the dry run resolved it
+    # What vLLM's collect_env reports (torch, Python, OS, CPU, GPU) is not repeated (issue 45).
+    assert not {"torch", "python", "OS", "CPU", "GPU", "vLLM platform"} & _labels(body)
     rules = _rules(body)
     assert list(rules) == [spec.rule.value for spec in RULES]
     assert {state for state, _ in rules.values()} == {"runs"}
@@ -209,6 +206,6 @@ def test_the_fence_outlasts_backticks_in_the_report() -> None:
     from vllm_mamba_fix.doctor.issue import render_issue
 
     data = {"status": "unknown", "summary": "a ```quoted``` value", "tool": {}}
-    text = render_issue(data, {})
+    text = render_issue(data)
     found = FENCED.match(text)
     assert found is not None and found.group(1) == "````", text

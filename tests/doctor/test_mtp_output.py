@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 from tests.doctor.conftest import REPO, Run, _body, _doctor, _run, needs_affected_vllm
-from vllm_mamba_fix.doctor.checks.mtp_output import mtp_output_warning
-from vllm_mamba_fix.doctor.checks.speculative import check_speculative
+from vllm_mamba_fix.doctor.checks.speculative import check_speculative, mtp_output_warning
 from vllm_mamba_fix.facts.versions import family_for
 from vllm_mamba_fix.observe.mtp_tokens import VLLM_ISSUE
 

@@ -5,6 +5,7 @@ block facts."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -84,13 +85,15 @@ def test_fake_affected_release_is_protected(
 
 
 def test_code_evidence_patches_a_pre_fix_dev_build(tmp_path: Path) -> None:
-    run = _fake_run(tmp_path, "0.28.0.dev3", code=PRE_FIX_CODE)
+    run = _fake_run(tmp_path, "0.28.0.dev3", "--json", code=PRE_FIX_CODE)
     assert run.code == 0, run.err
-    assert "result: PROTECTED" in run.out
-    assert "needs split (by code) and speculative-stall (by code)" in run.out
-    assert "Scheduler.schedule budgets encoder inputs before the split;" in run.out
-    assert "the version alone would have left it (a pre-fix build)" in run.out
-    assert "version (family 0.28): not needed; code: needed" in run.out
+    data = run.json()
+    assert data["status"] == "protected"
+    assert "needs split (by code) and speculative-stall (by code)" in data["policy"]["reason"]
+    assert data["evidence"]["split_after_encoder"] is True
+    split = _rules(data)["split"]
+    assert "the version alone would have left it (a pre-fix build)" in split["reason"]
+    assert (split["version"]["active"], split["code"]["active"]) == (False, True)
 
 
 def test_code_evidence_leaves_a_backport_alone(tmp_path: Path) -> None:
@@ -117,9 +120,9 @@ def test_block_rule_on_0_33_is_installed_and_engages_at_engine_start(tmp_path: P
     assert "NOT NEEDED" not in run.out  # a rule installs: never "not needed"
     assert "result: PROTECTED: vLLM 0.33.0 needs no rule by its code or version" in run.out
     assert "policy            installed, engages per scheduler:" in run.out
-    assert "block-unit        active, by version:" in run.out
+    assert re.search(r"^  block-unit +runs +by version: ", run.out, re.M), run.out
     assert (
-        "installed; it engages at engine start for each scheduler whose Mamba KV cache block "
+        "it engages at engine start for each scheduler whose Mamba KV cache block "
         "differs from cache_config.block_size"
     ) in run.out
     assert "patched Scheduler._mamba_block_aligned_split on import" in run.out
@@ -172,14 +175,19 @@ def test_a_built_schedulers_block_sizes_decide_the_block_rule(
     assert data["dry_run"]["already_active"] and "left in place" in text
     idle = next(s for s in data["schedulers"] if s["class"].endswith("AsyncScheduler"))
     assert idle["record"]["split_idle"]
-    idle_rules = "split and block-unit" if block_rule == "on" else "split"
-    assert f"split rules idle ({idle_rules}): vLLM never calls the split here" in text
+    assert "split rules idle: vLLM never calls the split here" in text
     if block_rule == "on":
         assert (data["status"], facts["Scheduler"]["engaged"]) == ("protected", True)
         assert "block-unit" in data["policy"]["needed_rules"]
         assert f"block-unit (by the block sizes of the built {sched})" in data["policy"]["reason"]
-        assert f"engaged for {sched}: the Mamba KV cache stores 256-token blocks" in text
+        assert (
+            f"{sched}: Mamba KV cache 256, cache_config.block_size 128 (differ, block-unit "
+            "engaged)" in text
+        )
     else:  # the mismatch is seen and the rule is off: not protected
         assert (data["status"], facts["Scheduler"]["engaged"]) == ("not-protected", False)
         assert "block-unit is switched off by VLLM_MAMBA_FIX_BLOCK_RULE=0" in data["problems"]
-        assert f"NOT engaged for {sched}" in text
+        assert (
+            f"{sched}: Mamba KV cache 256, cache_config.block_size 128 (differ, block-unit "
+            "NOT engaged)" in text
+        )

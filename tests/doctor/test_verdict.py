@@ -1,8 +1,9 @@
 """The verdict (doctor/verdict.py): what a release needs and the status, from the command line
-and from typed inputs; the plugin's log never decides it."""
+and from the install records; the plugin's log never decides it."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,12 @@ from tests.doctor.conftest import (
     _run,
 )
 from vllm_mamba_fix.decide.policy import Rule
-from vllm_mamba_fix.facts.config import Mode, Settings
+from vllm_mamba_fix.doctor import verdict
+from vllm_mamba_fix.facts.config import ENV_SPLIT_RULE, Mode, Settings
 from vllm_mamba_fix.facts.evidence import Evidence
+from vllm_mamba_fix.facts.targets import SPLIT_METHOD
 from vllm_mamba_fix.facts.versions import family_for
+from vllm_mamba_fix.observe.record import ClassRecord, MethodRecord, MethodState
 from vllm_mamba_fix.rules.table import plan
 
 
@@ -101,64 +105,84 @@ def test_verdict_does_not_depend_on_the_plugin_log(
         assert needle in quiet["problems"][0]
 
 
-def _policy_inputs(vllm_version: str) -> tuple[Any, Any]:
+BASE = "vllm.v1.core.sched.scheduler.Scheduler"
+
+
+def _record(
+    vllm_version: str,
+    settings: Settings | None = None,
+    evidence: Evidence | None = None,
+    name: str = BASE,
+) -> ClassRecord:
+    """An install record as register() writes it: the plan, and a wrapper carrying its rules."""
+    chosen = plan(settings or Settings(), family_for(vllm_version), evidence or Evidence())
+    wrapper = MethodRecord(SPLIT_METHOD, MethodState.WRAPPED, name, rules=chosen.rules)
+    return ClassRecord(name, chosen, evidence or Evidence(), (wrapper,))
+
+
+def _setup(vllm_version: str, should_patch: bool = True, **more: Any) -> verdict.Setup:
     family = family_for(vllm_version)
-    return family, plan(Settings(), family, Evidence())
+    by_version = plan(Settings(), family, Evidence())
+    return verdict.Setup(family, vllm_version, should_patch, "", by_version, **more)
 
 
-def test_needed_rules_follow_release_classes_and_speculative_method() -> None:
-    from vllm_mamba_fix.doctor import verdict
-
-    family, by_code = _policy_inputs("0.32.0")
-    assert verdict.needed_rules(family, Mode.AUTO, by_code, False) == {Rule.SPECULATIVE_STALL}
-    assert verdict.needed_rules(family, Mode.AUTO, by_code, True) == frozenset()
-    by_class = verdict.needed_rules(family, Mode.AUTO, by_code, False, frozenset({Rule.SPLIT}))
-    assert by_class == {Rule.SPLIT, Rule.SPECULATIVE_STALL}
-    unknown, unknown_plan = _policy_inputs("not-a-version")
-    assert verdict.needed_rules(unknown, Mode.AUTO, unknown_plan, False) == frozenset()
-    assert verdict.needed_rules(unknown, Mode.FORCE, unknown_plan, False) == {Rule.SPLIT}
+def test_the_verdict_reads_one_input_the_records() -> None:
+    """Issue 45 item 2: what runs and what the release needs come from the records alone."""
+    assert list(inspect.signature(verdict.of_records).parameters) == ["records"]
+    found = verdict.of_records([_record("0.32.0")])
+    assert found.needed == {Rule.SPECULATIVE_STALL}
+    assert verdict.needed_rules(found, _setup("0.32.0")) == {Rule.SPECULATIVE_STALL}
+    spared = _setup("0.32.0", not_eagle="ngram")
+    assert verdict.needed_rules(found, spared) == frozenset()
+    # A class with a schedule() of its own that budgets encoder inputs first needs the split.
+    own = Evidence(split_after_encoder=True, schedule_owner="PlatformScheduler")
+    mine = _record("0.32.0", evidence=own, name="pkg.PlatformScheduler")
+    by_class = verdict.of_records([_record("0.32.0"), mine])
+    assert by_class.needed_by == {Rule.SPLIT: ("pkg.PlatformScheduler",)}
+    assert verdict.needed_rules(by_class, _setup("0.32.0")) == {Rule.SPLIT, Rule.SPECULATIVE_STALL}
+    # A switched-off rule does not run, and its record still says the release needs it.
+    off = verdict.of_records(
+        [_record("0.27.1", Settings(switched_off=frozenset({ENV_SPLIT_RULE})))]
+    )
+    assert Rule.SPLIT not in off.installed and Rule.SPLIT in off.needed
+    # No record (the base class could not be loaded): the release data decides.
+    nothing = verdict.of_records(())
+    assert verdict.needed_rules(nothing, _setup("0.27.1")) == {Rule.SPLIT, Rule.SPECULATIVE_STALL}
+    # An unreadable version: needed only where forced (should_patch).
+    unknown = verdict.of_records([_record("not-a-version")])
+    assert verdict.needed_rules(unknown, _setup("not-a-version", False)) == frozenset()
+    assert verdict.needed_rules(unknown, _setup("not-a-version", True)) == {Rule.SPLIT}
 
 
 def test_problems_and_status_from_typed_inputs() -> None:
-    from vllm_mamba_fix.doctor import verdict
-
-    family, by_code = _policy_inputs("0.27.1")
-    needed = verdict.needed_rules(family, Mode.OFF, by_code, False)
-    chosen = verdict.policy(
-        verdict.PolicyInputs(family, "0.27.1", needed, False, "disabled", by_code, "")
-    )
+    found = verdict.of_records([_record("0.27.1")])
+    chosen = verdict.policy(found, _setup("0.27.1", False))
     assert chosen.verdict == "needed-will-not-patch"
     delivery = verdict.Delivery(Mode.OFF, "0", "no entry point", False, "other")
     rule_problems = {Rule.SPLIT: "split would not apply: x"}
-    found = verdict.problems(chosen, delivery, rule_problems, ("class y",))
-    assert found == [
+    found_problems = verdict.problems(chosen, delivery, rule_problems, ("class y",))
+    assert found_problems == [
         "disabled by VLLM_MAMBA_FIX='0'",
         "no entry point",
         "VLLM_PLUGINS='other' does not list 'mamba_fix'; vLLM will not load the plugin",
         "split would not apply: x",
         "class y",
     ]
-    assert verdict.status(chosen, [], found) == "not-protected"
-    assert verdict.status(chosen, ["bad"], found) == "invalid-input"
+    assert verdict.status(chosen, [], found_problems) == "not-protected"
+    assert verdict.status(chosen, ["bad"], found_problems) == "invalid-input"
     ok = verdict.Delivery(Mode.AUTO, None, None, True, None)
-    will = verdict.policy(verdict.PolicyInputs(family, "0.27.1", needed, True, "", by_code, ""))
+    will = verdict.policy(found, _setup("0.27.1"))
     assert verdict.problems(will, ok, {}, ()) == []
     assert verdict.status(will, [], []) == "protected"
     assert verdict.status(None, [], []) == "unknown"
-    fixed, fixed_plan = _policy_inputs("0.33.0")
-    none = verdict.needed_rules(fixed, Mode.AUTO, fixed_plan, False)
-    calm = verdict.policy(verdict.PolicyInputs(fixed, "0.33.0", none, True, "", fixed_plan, ""))
-    assert (calm.verdict, verdict.status(calm, [], [])) == ("not-needed", "not-needed")
-    # A per-scheduler rule that installs: protected (exit 0), never "not needed".
-    block = frozenset({Rule.BLOCK_UNIT})
-    runs = verdict.policy(
-        verdict.PolicyInputs(fixed, "0.33.0", none, True, "", fixed_plan, "", None, block)
-    )
+    # 0.33: the block-unit rule installs (a per-scheduler rule): protected, never "not needed".
+    fixed = verdict.of_records([_record("0.33.0")])
+    runs = verdict.policy(fixed, _setup("0.33.0"))
     assert (runs.verdict, verdict.status(runs, [], [])) == ("installed-per-scheduler", "protected")
     assert "installed: block-unit [version: " in runs.reason
     assert verdict.status(runs, [], ["x"]) == "not-protected"
-    # ... unless the plugin will not act at all (VLLM_MAMBA_FIX=0).
-    off = verdict.policy(
-        verdict.PolicyInputs(fixed, "0.33.0", none, False, "", fixed_plan, "", None, block)
-    )
-    assert off.verdict == "not-needed"
+    # ... unless the plugin will not act at all (VLLM_MAMBA_FIX=0), or vLLM will not load it.
+    off = verdict.policy(fixed, _setup("0.33.0", False))
+    assert (off.verdict, verdict.status(off, [], [])) == ("not-needed", "not-needed")
+    unloaded = verdict.policy(fixed, _setup("0.33.0", delivered=False))
+    assert unloaded.verdict == "not-needed"

@@ -1,4 +1,4 @@
-"""``VLLM_PLUGINS`` (doctor/checks/vllm_plugins.py): a list without the plugin is not
+"""``VLLM_PLUGINS`` (doctor/checks/entry_point.py): a list without the plugin is not
 protected."""
 
 from __future__ import annotations
@@ -14,4 +14,4 @@ def test_vllm_plugins_without_us_is_not_protected(real: dict[str, Run]) -> None:
     assert "does not list 'mamba_fix'" in run.out
     assert "vLLM does not strip spaces" in run.out  # " mamba_fix" is not "mamba_fix"
     # The same run passed an MTP --speculative-config.
-    assert "method mtp ('qwen3_5_mtp' is an MTP model type" in run.out
+    assert "mtp: EAGLE-type ('qwen3_5_mtp' is an MTP model type" in run.out

@@ -24,7 +24,12 @@ from tools import sched_harness as harness
 from tools.sched_harness import HarnessConfig
 from vllm_mamba_fix import __version__, records
 from vllm_mamba_fix.decide.policy import Rule
+from vllm_mamba_fix.doctor import verdict
+from vllm_mamba_fix.doctor.checks.schedulers import default_targets, dry_run
 from vllm_mamba_fix.doctor.core import run as doctor_run
+from vllm_mamba_fix.doctor.render import render_text
+from vllm_mamba_fix.doctor.report import Report
+from vllm_mamba_fix.install import plugin
 
 BASE = "vllm.v1.core.sched.scheduler.Scheduler"
 ALL_RULES = [r.value for r in Rule]  # the active line's order
@@ -36,7 +41,7 @@ DRAFTER = dataclasses.replace(SMALL, drafter_block_size=128, block_size_from_gro
 
 def _doctor() -> dict[str, Any]:
     report = doctor_run()
-    report.data["lines"] = [f"{line.label} {line.text}" for line in report.lines]
+    report.data["text"] = render_text(report, 0.0)
     return report.data
 
 
@@ -123,8 +128,43 @@ def test_doctor_inside_the_engine_reads_the_built_schedulers_sizes(load_plugin) 
     facts = [f for f in block["block_facts"] if f["class"] == BASE]
     assert facts and facts[0]["engaged"] and facts[0]["block_size"] == 256
     assert after["status"] == "protected" and after["exit_code"] == 0
-    assert f"engaged for {BASE}: the Mamba KV cache stores 256-token blocks" in " ".join(
-        after["lines"]
-    )
+    sizes = "Mamba KV cache 256, cache_config.block_size 128 (differ, block-unit engaged)"
+    assert f"{BASE}: {sizes}" in after["text"]
     engaged = [m for m in vllm_log if "block-unit rule engaged" in m]
     assert len(engaged) == 1 and "cache_config.block_size is 128" in engaged[0]
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"VLLM_MAMBA_FIX_SPLIT_RULE": "0"},
+        {"VLLM_MAMBA_FIX_BLOCK_RULE": "0"},
+        {"VLLM_MAMBA_FIX_STALL_SECONDS": "off"},
+        {"VLLM_MAMBA_FIX": "force"},
+    ],
+)
+def test_the_verdict_reads_the_same_from_the_engines_records_as_from_the_dry_run(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch, load_plugin
+) -> None:
+    """Issue 45 item 2: the verdict's one input is the install records; doctor's dry run
+    makes the records the engine makes, so the verdict read from either is the same."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    dry = dry_run(Report(), None, default_targets([])[:1], plugin)
+    assert not harness.split_is_wrapped()  # the dry run undid itself
+    load_plugin()
+    harness.build_scheduler(SMALL)
+    engine = verdict.of_records(records())
+    doctor = verdict.of_records(dry.records)
+    assert engine.base is not None and doctor.base is not None
+    assert (engine.needed, engine.installed, engine.planned, engine.release) == (
+        doctor.needed, doctor.installed, doctor.planned, doctor.release,
+    )  # fmt: skip
+    assert dict(engine.needed_by) == dict(doctor.needed_by) == {}  # equal block sizes
+    assert engine.base.block is not None and doctor.base.block is None  # only the engine built
+    # A rule switched off by a setting is still needed where the release needs it.
+    split = engine.base.plan.verdict(Rule.SPLIT)
+    if env.get("VLLM_MAMBA_FIX_SPLIT_RULE") == "0":
+        assert not split.active and Rule.SPLIT not in engine.installed
+    assert (Rule.SPLIT in engine.needed) is split.by_release.active

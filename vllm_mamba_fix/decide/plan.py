@@ -27,6 +27,14 @@ class RuleVerdict:
     active: bool
     basis: str  # what decided: "code", "version" or "setting"
     reason: str
+    # Where a setting decided (a switch off, force): what the code or version says, so the
+    # install record holds what the release needs too (doctor reads it from there).
+    unset: RuleVerdict | None = None
+
+    @property
+    def by_release(self) -> RuleVerdict:
+        """The verdict before any setting: what the release needs."""
+        return self.unset or self
 
 
 @dataclass(frozen=True)

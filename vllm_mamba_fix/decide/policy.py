@@ -84,16 +84,21 @@ class Facts:
 Earlier = Mapping[Rule, RuleVerdict]  # the verdicts decided before, in table order
 
 
-def _switched_off(rule: Rule, switch: str) -> RuleVerdict:
-    return RuleVerdict(rule, False, "setting", f"{switch}=0")
+def _switched_off(need: RuleVerdict, switch: str) -> RuleVerdict:
+    return RuleVerdict(need.rule, False, "setting", f"{switch}=0", need)
 
 
 def split_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
-    family, evidence = facts.family, facts.evidence
+    need = _split_need(facts)
     if not facts.settings.switched_on(ENV_SPLIT_RULE):
-        return _switched_off(Rule.SPLIT, ENV_SPLIT_RULE)
+        return _switched_off(need, ENV_SPLIT_RULE)
     if facts.settings.mode is Mode.FORCE:
-        return RuleVerdict(Rule.SPLIT, True, "setting", f"{ENV_MODE}=force")
+        return RuleVerdict(Rule.SPLIT, True, "setting", f"{ENV_MODE}=force", need)
+    return need
+
+
+def _split_need(facts: Facts) -> RuleVerdict:
+    family, evidence = facts.family, facts.evidence
     if evidence.split_after_encoder is not None:
         by_version = family.verdict is Verdict.PATCH
         if evidence.split_after_encoder:
@@ -122,15 +127,17 @@ def split_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
 
 
 def block_unit_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
-    if not facts.settings.switched_on(ENV_BLOCK_RULE):
-        return _switched_off(Rule.BLOCK_UNIT, ENV_BLOCK_RULE)
     if facts.family.verdict is Verdict.ABSENT:
-        return RuleVerdict(Rule.BLOCK_UNIT, False, "version", facts.family.summary)
-    return RuleVerdict(
-        Rule.BLOCK_UNIT, True, "version",
-        "every release's split floors to cache_config.block_size (vLLM #54076); engages for "
-        "each scheduler whose Mamba KV cache stores another block",
-    )  # fmt: skip
+        need = RuleVerdict(Rule.BLOCK_UNIT, False, "version", facts.family.summary)
+    else:
+        need = RuleVerdict(
+            Rule.BLOCK_UNIT, True, "version",
+            "every release's split floors to cache_config.block_size (vLLM #54076); engages for "
+            "each scheduler whose Mamba KV cache stores another block",
+        )  # fmt: skip
+    if not facts.settings.switched_on(ENV_BLOCK_RULE):
+        return _switched_off(need, ENV_BLOCK_RULE)
+    return need
 
 
 def speculative_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:

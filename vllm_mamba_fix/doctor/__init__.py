@@ -23,13 +23,9 @@ Exit codes:
      internal error
 """
 
-# The package: one check per module under checks/, a pure verdict from their typed
-# results (verdict), the plans taken from the records (plans), rendering (render) and
-# the command line (cli). It reads the plugin's typed install record
-# (plugin.check_class), never its log text, and the environment only through config.
-# The top layer: it may import every layer below (install, rules, observe, decide, facts);
-# only core.py imports install/plugin.py, and hands it to the checks that drive it. This
-# docstring is the command's --help text; what the package holds is this comment.
+# The package (the docstring above is --help): checks/ fill in a JSON body, verdict reads the
+# install records the dry run made (never the log text), issue and render print the JSON. The
+# top layer: only core.py imports install/plugin.py; the environment only through config.
 
 from __future__ import annotations
 
@@ -37,16 +33,13 @@ from vllm_mamba_fix.doctor.checks.speculative import (
     FALLBACK_METHODS,
     SpeculativeMethods,
     classify_speculative,
-    release_speculative_methods,
 )
-from vllm_mamba_fix.doctor.cli import build_parser
 from vllm_mamba_fix.doctor.core import main, run
 from vllm_mamba_fix.doctor.report import (
     EXIT_CANNOT_TELL,
     EXIT_INVALID_INPUT,
     EXIT_NOT_PROTECTED,
     EXIT_OK,
-    Report,
 )
 
 __all__ = [
@@ -55,11 +48,8 @@ __all__ = [
     "EXIT_NOT_PROTECTED",
     "EXIT_OK",
     "FALLBACK_METHODS",
-    "Report",
     "SpeculativeMethods",
-    "build_parser",
     "classify_speculative",
     "main",
-    "release_speculative_methods",
     "run",
 ]

@@ -1,14 +1,7 @@
-"""``main()``, the command, and ``run()``: the checks in order, the verdict, and the report
-they fill in.
-
-Each step below fills in part of the report. Doctor renders the records the dry run
-made and the plans they hold (:mod:`vllm_mamba_fix.doctor.plans`); it plans again
-only for the views a record cannot hold (what the version alone says, and what the
-release needs where a setting forced or switched off a rule).
-
-The dry run and the entry-point check are handed the plugin they check
-(:mod:`vllm_mamba_fix.install.plugin`): this module, the command's, is the one that imports it.
-"""
+"""``main()``, the command, and ``run()``: the checks in order, each filling in part of the
+report's JSON body, then the verdict, whose one input is the install records the dry run made
+(:func:`vllm_mamba_fix.doctor.verdict.of_records`). The one doctor module that imports
+:mod:`vllm_mamba_fix.install.plugin`: it hands it to the dry run and the entry-point check."""
 
 from __future__ import annotations
 
@@ -20,43 +13,29 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm_mamba_fix._version import __version__
-from vllm_mamba_fix.decide.policy import PreflightResult, Rule, preflight
-from vllm_mamba_fix.doctor import problems, verdict
-from vllm_mamba_fix.doctor.checks.entry_point import check_entry_point
-from vllm_mamba_fix.doctor.checks.metrics import check_metrics
-from vllm_mamba_fix.doctor.checks.rules import (
-    evidence_json,
-    evidence_text,
-    rule_lines,
-    rule_table,
+from vllm_mamba_fix.decide.policy import Plan, PreflightResult, Rule, preflight
+from vllm_mamba_fix.doctor import verdict
+from vllm_mamba_fix.doctor.checks.entry_point import (
+    check_entry_point,
+    check_platform_plugins,
+    check_vllm_plugins,
 )
+from vllm_mamba_fix.doctor.checks.rules import rule_table
 from vllm_mamba_fix.doctor.checks.schedulers import (
-    BASE_SCHEDULER,
     DryRun,
     Target,
     default_targets,
     dry_run,
-    own_needs,
     scheduler_entries,
 )
 from vllm_mamba_fix.doctor.checks.settings import check_settings
 from vllm_mamba_fix.doctor.checks.speculative import (
     OWN_KV_GROUP_TEXT,
-    SpeculativeCheck,
     check_speculative,
 )
-from vllm_mamba_fix.doctor.checks.stall_end import check_stall_end
+from vllm_mamba_fix.doctor.checks.support import check_metrics, check_stall_end
 from vllm_mamba_fix.doctor.checks.vllm_import import import_step
-from vllm_mamba_fix.doctor.checks.vllm_plugins import check_platform_plugins, check_vllm_plugins
 from vllm_mamba_fix.doctor.cli import build_parser
-from vllm_mamba_fix.doctor.plans import (
-    BlockFact,
-    Views,
-    block_facts,
-    mismatched,
-    no_record_evidence,
-    views,
-)
 from vllm_mamba_fix.doctor.render import render_output
 from vllm_mamba_fix.doctor.report import (
     EXIT_CANNOT_TELL,
@@ -64,13 +43,14 @@ from vllm_mamba_fix.doctor.report import (
     STATUS,
     Report,
     one_line,
+    package_path,
 )
 from vllm_mamba_fix.facts.config import ENV_MODE, Mode, Settings, load_settings
-from vllm_mamba_fix.facts.evidence import Evidence
+from vllm_mamba_fix.facts.evidence import UNREADABLE, Evidence
 from vllm_mamba_fix.facts.versions import Family, Verdict
 from vllm_mamba_fix.install import plugin
-from vllm_mamba_fix.observe import record
 from vllm_mamba_fix.rules import table as rules
+from vllm_mamba_fix.rules.table import plan
 
 _TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
 
@@ -87,28 +67,25 @@ class _Run:
     targets: list[Target]
     bad_input: list[str] = dataclasses.field(default_factory=list)
     dry: DryRun | None = None
-    ran_with: Settings | None = None  # the settings the dry run used
-    views: Views | None = None
-    facts: tuple[BlockFact, ...] = ()  # of schedulers already built in this process
+    found: verdict.Found = dataclasses.field(default_factory=lambda: verdict.of_records(()))
+    evidence: Evidence = UNREADABLE  # the base class's code, as its record read it
 
     @property
     def will_patch(self) -> bool:
         return self.checked.outcome.waits_for_scheduler
 
     @property
-    def plans(self) -> Views:
-        assert self.views is not None, "the views step runs first"
-        return self.views
+    def decided(self) -> Plan | None:
+        """What the plugin runs with the user's settings (None: it will not act)."""
+        return self.found.base.plan if self.will_patch and self.found.base else None
 
-
-@dataclasses.dataclass(frozen=True)
-class _Needs:
-    spec: SpeculativeCheck
-    needed_by: dict[Rule, list[str]]  # rules classes need (own schedule(), built block sizes)
-    needed: frozenset[Rule]
-    spared: str  # a rule let off by the --speculative-config
-    # Per-scheduler rules the set-up shows will engage, with why (a drafter's own KV group).
-    foreseen: dict[Rule, str] = dataclasses.field(default_factory=dict)
+    @property
+    def by_version(self) -> Plan:
+        """What the release data alone says (no code read): the report's ``version`` column."""
+        unforced = dataclasses.replace(
+            self.settings, mode=Mode.AUTO, switched_off=frozenset(), problems=()
+        )
+        return plan(unforced, self.family, Evidence())
 
 
 def _finish(
@@ -149,137 +126,86 @@ def _dry_run_step(state: _Run) -> None:
     started = time.perf_counter()
     state.dry = dry_run(state.report, forced, state.targets, plugin)
     state.report.data["timings_seconds"]["dry_run"] = round(time.perf_counter() - started, 3)
-    state.ran_with = forced or state.settings
 
 
-def _views_step(state: _Run) -> None:
+def _records_step(state: _Run) -> None:
+    """Read the install records the dry run made: the verdict's one input."""
     dry = state.dry
-    base_record = dry.base_record if dry is not None else None
+    state.found = verdict.of_records(dry.records if dry is not None else ())
+    base = state.found.base
     if dry is None:
-        evidence = Evidence(problem="not read: this release has nothing to patch")
-    elif base_record is not None:
-        evidence = base_record.evidence
-    elif dry.base is None:
-        evidence = no_record_evidence(f"cannot load {BASE_SCHEDULER}")
+        state.evidence = Evidence(problem="not read: this release has nothing to patch")
+    elif base is not None:
+        state.evidence = base.evidence
     else:
-        evidence = no_record_evidence(state.report.data["dry_run"].get("error") or "no record")
-    state.views = views(
-        state.settings, state.ran_with, state.family, state.will_patch, base_record, evidence
-    )
-    read_from = BASE_SCHEDULER if base_record is not None else None
-    state.report.data["evidence"] = evidence_json(evidence, read_from)
-    state.facts = block_facts(dry.records) if dry is not None else ()
+        why = state.report.data["dry_run"].get("error") or "no record"  # cannot load it, ...
+        state.evidence = dataclasses.replace(UNREADABLE, problem=f"not read: {why}")
+    read_from = verdict.BASE_SCHEDULER if base is not None else None
+    state.report.data["evidence"] = {
+        "read_from": read_from,
+        "split_after_encoder": state.evidence.split_after_encoder,
+        "deferred_encoder_free": state.evidence.deferred_encoder_free,
+        "problem": state.evidence.problem,
+    }
 
 
-def _needs_step(state: _Run, speculative_config: Mapping[str, Any] | None) -> _Needs:
-    plans = state.plans
+def _speculative_step(state: _Run, speculative_config: Mapping[str, Any] | None) -> verdict.Setup:
+    """The --speculative-config, and what the verdict needs beyond the records."""
+    found = state.found
     spec = check_speculative(
-        speculative_config, state.version, state.family, plans.decided, plans.installed
+        speculative_config, state.version, state.family, state.decided, found.installed
     )
     state.report.data["speculative"] = spec.data
     if spec.invalid:
         state.bad_input.append(spec.invalid)
     state.report.warnings.extend(spec.warnings)
-    needed_by: dict[Rule, list[str]] = {}
-    for check in state.dry.classes if state.dry else ():
-        for rule in own_needs(check):
-            needed_by.setdefault(rule, []).append(check.target.qualname)
-    # block-unit: needed where a built scheduler shows the two block sizes apart.
-    if plans.by_code.verdict(Rule.BLOCK_UNIT).active and mismatched(state.facts):
-        needed_by[Rule.BLOCK_UNIT] = mismatched(state.facts)
+    release = found.release or state.by_version
     foreseen: dict[Rule, str] = {}
-    if plans.by_code.verdict(Rule.BLOCK_UNIT).active and spec.data.get("drafter_kv_group"):
+    if release.verdict(Rule.BLOCK_UNIT).active and spec.data.get("drafter_kv_group"):
         method = spec.data["resolved_method"]
         foreseen[Rule.BLOCK_UNIT] = f"--speculative-config {method}: {OWN_KV_GROUP_TEXT}"
-    not_eagle = spec.eagle is False
-    needed = verdict.needed_rules(
-        state.family,
-        state.settings.mode,
-        plans.by_code,
-        not_eagle,
-        frozenset(needed_by) | frozenset(foreseen),
-    )
-    spared = ""
-    if not_eagle and plans.by_code.verdict(Rule.SPECULATIVE_STALL).active:
-        method = spec.data["resolved_method"]
-        spared = f"speculative-stall [--speculative-config: {method} is not EAGLE-type]"
-    return _Needs(spec, needed_by, needed, spared, foreseen)
+    not_eagle = spec.data["resolved_method"] if spec.eagle is False else ""
+    setup = verdict.Setup(
+        state.family, state.version, state.will_patch, state.checked.reason,
+        state.by_version, not_eagle, foreseen,
+    )  # fmt: skip
+    return setup
 
 
-def _rule_entries_step(state: _Run, needs: _Needs) -> tuple[list[dict[str, Any]], dict[Rule, str]]:
-    entries = rule_table(state.family, state.plans, state.settings, state.checked.reason)
-    base_record = state.dry.base_record if state.dry else None
-    dry_error = state.report.data["dry_run"].get("error")
-    rule_problems = problems.rule_problems(state.plans, base_record, dry_error)
+def _rule_entries_step(
+    state: _Run, setup: verdict.Setup, needed: frozenset[Rule]
+) -> tuple[list[dict[str, Any]], dict[Rule, str]]:
+    found = state.found
+    inactive = ("setting" if state.settings.mode is Mode.OFF else "version", setup.preflight_reason)
+    release = found.release or state.by_version
+    entries = rule_table(state.evidence, state.by_version, release, state.decided, inactive)
+    rule_problems = verdict.rule_problems(found, state.report.data["dry_run"].get("error"))
     for entry in entries:
         rule = Rule(entry["rule"])
         fixes = rule in rules.FIX_RULES
-        entry["needed"] = rule in needs.needed if fixes else None
-        entry["installs"] = rule in state.plans.installed
-        entry["needed_by_classes"] = needs.needed_by.get(rule, [])
+        entry["needed"] = rule in needed if fixes else None
+        entry["installs"] = rule in found.installed
+        entry["needed_by_classes"] = list(found.needed_by.get(rule, ()))
         entry["problem"] = rule_problems.get(rule)
         if rule in verdict.PER_SCHEDULER:
             # Only a built scheduler's record tells (a dry run builds none), or a set-up
             # that makes the sizes differ (a drafter with its own KV cache group).
-            entry["needed"] = entry["needed"] if state.facts or rule in needs.foreseen else None
-            entry["block_facts"] = [fact.to_json() for fact in state.facts]
-            entry["foreseen"] = needs.foreseen.get(rule)
+            entry["needed"] = entry["needed"] if found.facts or rule in setup.foreseen else None
+            entry["block_facts"] = [fact.to_json() for fact in found.facts]
+            entry["foreseen"] = setup.foreseen.get(rule)
     state.report.data["rules"] = entries
     return entries, rule_problems
-
-
-def _headline_lines(state: _Run, chosen: verdict.Policy) -> None:
-    report = state.report
-    report.add("info", "family", f"{state.family.name}: {state.family.summary}")
-    label = verdict.VERDICT_TEXT[chosen.verdict]
-    mark = "fail" if chosen.verdict in ("needed-will-not-patch", "unsupported") else "ok"
-    reason = chosen.reason
-    report.add(mark, "policy", reason if reason.startswith(label) else f"{label}: {reason}")
-    if state.dry is not None:
-        report.add("info", "code", evidence_text(state.plans.evidence))
-
-
-def _dry_run_lines(state: _Run, needed: frozenset[Rule]) -> None:
-    report, base_record = state.report, state.dry.base_record if state.dry else None
-    info = report.data["dry_run"]
-    label = "dry run"
-    wrapped = info["wrapped_methods"]
-    how = f"register() with {ENV_MODE}={info['mode']}" if info["forced"] else "register()"
-    if wrapped:
-        hook = "on import of the scheduler module" if info["via"] == "import hook" else "at once"
-        undo = "undone" if info["restored"] else "NOT undone"
-        if info["already_active"]:
-            undo = "already active in this process, so left in place"
-        names = " and ".join(f"Scheduler.{m}" for m in wrapped)
-        plural = "s" if len(wrapped) > 1 else ""
-        text = f"{how} patched {names} {hook}; wrapper{plural} verified; {undo}"
-        if info["forced"]:
-            text += " (would apply if enabled)"
-        report.add("ok", label, text)
-        if base_record is not None and base_record.rules and not info["forced"]:
-            report.add(
-                "info", "",
-                f"expect one line per scheduler class built in each engine core's log: "
-                f"vllm-mamba-fix {__version__} active: {base_record.scheduler_class} carries "
-                f"{', '.join(r.value for r in Rule if r in base_record.rules)} ...",
-            )  # fmt: skip
-    elif not state.plans.planned:
-        report.add("info", label, f"{how} left the scheduler stock: no rule to install")
-    else:
-        bad = "fail" if needed else "info"
-        report.add(bad, label, f"the patch did not apply: {info['error']}")
 
 
 def _scheduler_step(state: _Run, needed: frozenset[Rule]) -> list[str]:
     """The dry run's lines and one entry per class; returns the classes' problems."""
     report, dry = state.report, state.dry
     class_problems: list[str] = []
-    report.data["block_size"] = dry.block_size if dry else None
+    # Of a scheduler already built in this process; a dry run builds none.
+    report.data["block_size"] = next((f.unit.mamba for f in state.found.facts), None)
     if dry is None:
-        report.add("skip", "dry run", "skipped: this release has nothing to patch")
         return class_problems
-    _dry_run_lines(state, needed)
-    entries = scheduler_entries(report, dry, state.plans.planned, needed)
+    entries = scheduler_entries(report, dry, state.found, needed)
     report.data["schedulers"] = entries
     report.data["install_records"] = [r.to_json() for r in dry.records]
     for entry, check in zip(entries, dry.classes, strict=True):
@@ -299,33 +225,18 @@ def _scheduler_step(state: _Run, needed: frozenset[Rule]) -> list[str]:
     return class_problems
 
 
-def _support_lines(state: _Run) -> None:
-    """What two other modules say this release supports: ending stalls, /metrics."""
-    if state.dry is None:
-        return
-    derived = [c.target.qualname for c in state.dry.classes if c.error is None and c.derives]
-    decided = state.plans.decided
-    active = decided is not None and decided.verdict(Rule.STALL_END).active
-    check_stall_end(state.report, derived, active)
-    check_metrics(state.report)
-
-
-def _without_vllm(report: Report, settings: Settings, version: str | None) -> Report:
-    _delivery_checks(report, settings)
-    report.data["dry_run"] = {"ran": False}
-    return _finish(report, "unknown", version, "", [])
-
-
 def run(
     scheduler_cls: Sequence[str] = (), speculative_config: Mapping[str, Any] | None = None
 ) -> Report:
-    report = Report()
-    settings = load_settings()
-    report.describe_tool()
+    report, settings = Report(), load_settings()
+    report.data["tool"] = {"name": "vllm-mamba-fix", "version": __version__,
+                           "package_path": package_path(), "python": sys.executable}  # fmt: skip
     version, family = import_step(report)
     report.data["schedulers"] = []
     if family is None or version is None:
-        return _without_vllm(report, settings, version)
+        _delivery_checks(report, settings)
+        report.data["dry_run"] = {"ran": False}
+        return _finish(report, "unknown", version, "", [])
     state = _Run(
         report,
         settings,
@@ -335,33 +246,21 @@ def run(
         default_targets(list(scheduler_cls)),
     )
     _dry_run_step(state)
-    _views_step(state)
-    needs = _needs_step(state, speculative_config)
-    entries, rule_problems = _rule_entries_step(state, needs)
-    # Delivery first (its lines are placed below): a rule vLLM will not load is not installed.
-    delivery_lines = Report(data=report.data)
-    delivery = _delivery_checks(delivery_lines, settings)
+    _records_step(state)
+    setup = _speculative_step(state, speculative_config)
+    delivery = _delivery_checks(report, settings)  # a rule vLLM will not load does not run
     delivered = delivery.entry_point_error is None and delivery.vllm_plugins_allows
-    installed_per_scheduler = frozenset(
-        r for r in verdict.PER_SCHEDULER if r in state.plans.installed and delivered
-    )
-    chosen = verdict.policy(verdict.PolicyInputs(
-        family, version, needs.needed, state.will_patch, state.checked.reason,
-        state.plans.by_code, needs.spared, needs.needed_by, installed_per_scheduler,
-        needs.foreseen,
-    ))  # fmt: skip
+    setup = dataclasses.replace(setup, delivered=delivered)
+    chosen = verdict.policy(state.found, setup)
+    entries, rule_problems = _rule_entries_step(state, setup, chosen.needed)
     report.data["policy"] = chosen.to_json()
-    # The human report, in reading order.
-    _headline_lines(state, chosen)
-    rule_lines(report, entries, family, settings, state.facts)
-    report.add(needs.spec.mark, "speculative", needs.spec.text)
-    _support_lines(state)
-    report.lines.extend(delivery_lines.lines)
-    report.warnings.extend(delivery_lines.warnings)
-    class_problems = _scheduler_step(state, needs.needed)
-    rule_problems.update(problems.switched_off(state.plans, needs.needed, settings))
+    if state.dry is not None:  # what two other modules say this release supports
+        check_stall_end(report, [c.target.qualname for c in state.dry.classes if c.derives])
+        check_metrics(report)
+    class_problems = _scheduler_step(state, chosen.needed)
+    rule_problems.update(verdict.switched_off(state.decided, chosen.needed, settings))
     report.problems.extend(verdict.problems(chosen, delivery, rule_problems, tuple(class_problems)))
-    report.warnings.extend(problems.rule_warnings(entries))
+    report.warnings.extend(verdict.rule_warnings(entries))
     check_platform_plugins(report)
     status = verdict.status(chosen, state.bad_input, report.problems)
     return _finish(report, status, version, chosen.reason, state.bad_input)
@@ -394,4 +293,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(report.data["exit_code"])
 
 
-__all__ = ["main", "record", "run"]
+__all__ = ["main", "run"]

@@ -1,11 +1,8 @@
-"""``doctor --report``: the report as one fenced Markdown block to paste into a bug report,
-next to vLLM's ``python -m vllm.collect_env``.
-
-A pure function of doctor's JSON body (``Report.data``) and the machine's facts
-(:mod:`vllm_mamba_fix.doctor.checks.machine`): what ``collect_env`` does not show, the
-plugin, the rules that will run and why, the block sizes, every ``VLLM_MAMBA_FIX*`` setting,
-``VLLM_PLUGINS`` and the scheduler classes.
-"""
+"""The one renderer of doctor's JSON body (``Report.data``) into rows: the text report prints
+them, ``--report`` fences them to paste into a bug report next to ``python -m
+vllm.collect_env``. Only what ``collect_env`` does not show (torch, Python, the OS, the CPU and
+the GPUs are its): the plugin, the vLLM build, the rules and why, the block sizes, the dry run,
+the scheduler classes, every ``VLLM_MAMBA_FIX*`` setting and ``VLLM_PLUGINS``."""
 
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_mamba_fix.doctor.report import STATUS, stall_end_text, watchdog_text
+from vllm_mamba_fix.doctor.report import STATUS, VERDICT_TEXT
 from vllm_mamba_fix.facts.config import (
     ENV_END_STALLS_AFTER,
     ENV_MODE,
@@ -46,40 +43,56 @@ def _plugin_rows(data: Mapping[str, Any]) -> list[str]:
         where = f"entry point NOT usable: {ep.get('error', 'not checked')}"
     status = data.get("status", "unknown")
     code, headline = STATUS.get(status, (data.get("exit_code"), status))
-    return [
+    rows = [
         _row("vllm-mamba-fix", f"{tool.get('version')} at {tool.get('package_path')}; {where}"),
         _row("doctor", f"{headline} (exit {code}): {data.get('summary', '')}"),
     ]
-
-
-def _versions_rows(data: Mapping[str, Any], machine: Mapping[str, Any]) -> list[str]:
     vllm = data.get("vllm", {})
+    text = f"not importable ({vllm.get('error', 'unknown')})"
     if vllm.get("importable"):
-        dist = vllm.get("distribution") or {}
-        built = f" ({dist['name']} {dist['version']})" if dist else ""
+        build = vllm.get("distribution") or {}
+        built = f" ({build['name']} {build['version']})" if build else ""
         family = (data.get("family") or {}).get("name")
         text = f"{vllm.get('version')}{built}, family {family}, at {vllm.get('path')}"
+    rows.append(_row("vLLM", text))
+    if "policy" in data:
+        policy = data["policy"]
+        rows.append(_row("policy", f"{VERDICT_TEXT[policy['verdict']]}: {policy['reason']}"))
+    return rows
+
+
+def _dry_run_rows(data: Mapping[str, Any]) -> list[str]:
+    """What the dry run of ``register()`` did (the plugin's own lines are in the JSON)."""
+    info = data.get("dry_run") or {}
+    if not info.get("ran"):
+        return [_row("dry run", "not run")]
+    how = f"register() with {ENV_MODE}={info['mode']}" if info.get("forced") else "register()"
+    if info.get("wrapped_methods"):
+        undo = "undone" if info.get("restored") else "NOT undone"
+        if info.get("already_active"):
+            undo = "already active in this process, so left in place"
+        names = " and ".join(f"Scheduler.{m}" for m in info["wrapped_methods"])
+        hook = "on import of the scheduler module" if info["via"] == "import hook" else "at once"
+        text = f"{how} patched {names} {hook}; wrappers verified; {undo}"
     else:
-        text = f"not importable ({vllm.get('error', 'unknown')})"
-    torch = machine.get("torch", {})
-    if isinstance(torch, Mapping):
-        build = ", ".join(f"{k.upper()} {torch[k]}" for k in ("cuda", "hip") if torch.get(k))
-        if "gpu_available" in torch:
-            build += f", GPU available: {torch['gpu_available']}"
-        if not torch.get("imported"):
-            build = "not imported by vLLM; version of the installed distribution"
-        torch_text = f"{torch.get('version') or 'not installed'} ({build or 'CPU build'})"
-    else:
-        torch_text = str(torch)
-    return [
-        _row("vLLM", text),
-        _row("vLLM platform", str(machine.get("vllm_platform") or "not resolved by vLLM yet")),
-        _row("torch", torch_text),
-        _row("python", f"{machine.get('python')} ({machine.get('executable')})"),
-        _row("OS", str(machine.get("os"))),
-        _row("CPU", str(machine.get("cpu"))),
-        _row("GPU", str(machine.get("gpu"))),
-    ]
+        text = f"{how} patched nothing: {info.get('error')}"
+    return [_row("dry run", text)]
+
+
+def _support_rows(data: Mapping[str, Any]) -> list[str]:
+    """Whether the counters reach /metrics and a stall no rule can end can be ended."""
+    rows: list[str] = []
+    metrics = data.get("metrics")
+    if metrics:
+        state = {True: "available", False: "NOT available", None: "not checked"}
+        rows.append(_row("metrics", f"{state[metrics['available']]}: {metrics['reason']}"))
+    stall_end = data.get("stall_end")
+    if stall_end and not stall_end["checked"]:
+        rows.append(_row("ending stalls", f"not checked: {stall_end.get('error')}"))
+    for name, why in (stall_end or {}).get("classes", {}).items():
+        text = "vLLM's own finish reaches the client" if why is None else f"only named: {why}"
+        rows.append(_row("ending stalls", f"{name}: {text}"))
+    return rows
 
 
 def _delivered(data: Mapping[str, Any]) -> bool:
@@ -110,9 +123,11 @@ def _rule_rows(data: Mapping[str, Any]) -> list[str]:
     speculative = data.get("speculative", {})
     if speculative.get("visible"):
         eagle = "EAGLE-type" if speculative.get("eagle_type") else "not EAGLE-type"
-        rows.append(_row("speculative", f"{speculative.get('resolved_method')}: {eagle}"))
+        how = "" if speculative.get("how") == "method given" else f" ({speculative.get('how')})"
+        rows.append(_row("speculative", f"{speculative.get('resolved_method')}: {eagle}{how}"))
     elif speculative:
-        rows.append(_row("speculative", "set by the engine at start (not given to doctor)"))
+        text = f"set by the engine at start (not given to doctor); {speculative['plugin_text']}"
+        rows.append(_row("speculative", text))
     return rows
 
 
@@ -151,6 +166,11 @@ def _scheduler_rows(data: Mapping[str, Any]) -> list[str]:
         text = f"  {entry['class']} ({entry.get('role')}): {verb} {runs}"
         if not entry.get("loaded", True):
             text = f"  {entry['class']} ({entry.get('role')}): cannot be loaded"
+        for rule in record.get("inherited") or ():
+            owners = [m["owner"] for m in record["methods"] if rule in m["rules"]]
+            text += f"; inherits {rule} from {(owners or ['a base class'])[0]}'s wrapper"
+        if record.get("split_idle"):
+            text += f"; split rules idle: {record['split_idle']}"
         rows.append(text + "".join(f"; {p}" for p in entry.get("problems") or []))
     return rows
 
@@ -159,11 +179,16 @@ def _effective(name: str, settings: Mapping[str, Any]) -> str:
     switch = settings.get("switches", {}).get(name)
     if switch is not None:
         return f"{'on' if switch['on'] else 'off'} ({switch['rule']} rule)"
+    stall, end = settings.get("stall_seconds"), settings.get("end_stalls_after")
     return {
         ENV_MODE: str(settings.get("mode")),
         ENV_SCOPE: str(settings.get("scope")),
-        ENV_STALL_SECONDS: watchdog_text(settings.get("stall_seconds")),
-        ENV_END_STALLS_AFTER: stall_end_text(settings.get("end_stalls_after")),
+        ENV_STALL_SECONDS: "stall watchdog off"
+        if stall is None
+        else f"stall watchdog after {stall:g} s",
+        ENV_END_STALLS_AFTER: "stalls no rule can end are never ended"
+        if end is None
+        else f"a stall no rule can end is ended {end:g} s after it is named",
     }.get(name, "?")
 
 
@@ -190,21 +215,22 @@ def _settings_rows(data: Mapping[str, Any]) -> list[str]:
     return rows
 
 
-def _fence(text: str) -> str:
-    """A fence longer than any run of backticks in ``text``."""
-    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
-    return "`" * max(3, longest + 1)
-
-
-def render_issue(data: Mapping[str, Any], machine: Mapping[str, Any]) -> str:
-    body: list[str] = [*_plugin_rows(data), *_versions_rows(data, machine), ""]
-    body += [*_rule_rows(data), *_block_rows(data), "", *_scheduler_rows(data), ""]
+def issue_body(data: Mapping[str, Any]) -> str:
+    """The report's facts, one row each: the text report and ``--report`` both print it."""
+    body: list[str] = [*_plugin_rows(data), ""]
+    body += [*_rule_rows(data), *_block_rows(data), *_support_rows(data), ""]
+    body += [*_dry_run_rows(data), *_scheduler_rows(data), ""]
     body += _settings_rows(data)
     for heading, items in (("problems", data.get("problems")), ("warnings", data.get("warnings"))):
         if items:
             body += ["", heading, *(f"  - {item}" for item in items)]
-    text = "\n".join(body)
-    fence = _fence(text)
+    return "\n".join(body)
+
+
+def render_issue(data: Mapping[str, Any]) -> str:
+    text = issue_body(data)
+    # A fence longer than any run of backticks in the text.
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
     return (
         f"**{TITLE}** (paste it next to the output of `python -m vllm.collect_env`)\n\n"
         f"{fence}text\n{text}\n{fence}"

@@ -26,6 +26,14 @@ STATUS: dict[str, tuple[int, str]] = {
     "invalid-input": (EXIT_INVALID_INPUT, "INVALID INPUT"),
     "unknown": (EXIT_CANNOT_TELL, "CANNOT TELL"),
 }
+# The policy verdict in words (the verdict module's Policy.verdict is a key).
+VERDICT_TEXT = {
+    "needed-will-patch": "needed, will patch",
+    "needed-will-not-patch": "needed, but will NOT patch",
+    "installed-per-scheduler": "installed, engages per scheduler",
+    "not-needed": "not needed",
+    "unsupported": "unsupported",
+}
 
 
 def package_path() -> str:
@@ -38,36 +46,13 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def qualname_of(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-@dataclasses.dataclass
-class Line:
-    """One line of the human report."""
-
-    status: str  # ok | fail | warn | info | skip
-    label: str
-    text: str
-
-
 @dataclasses.dataclass
 class Report:
-    lines: list[Line] = dataclasses.field(default_factory=list)
+    """The JSON body and its two lists; the text and --report are rendered from it."""
+
     problems: list[str] = dataclasses.field(default_factory=list)  # why not protected
     warnings: list[str] = dataclasses.field(default_factory=list)
     data: dict[str, Any] = dataclasses.field(default_factory=dict)  # the JSON body
-
-    def add(self, status: str, label: str, text: str) -> None:
-        self.lines.append(Line(status, label, text))
-
-    def describe_tool(self) -> None:
-        self.data["tool"] = {
-            "name": "vllm-mamba-fix",
-            "version": _version.__version__,
-            "package_path": package_path(),
-            "python": sys.executable,
-        }
 
 
 @contextlib.contextmanager
@@ -102,9 +87,8 @@ class LogCapture(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
 
-    def messages(self, min_level: int = logging.INFO) -> list[str]:
-        texts = (r.getMessage() for r in self.records if r.levelno >= min_level)
-        return [t.removeprefix("vllm-mamba-fix: ") for t in texts]
+    def messages(self) -> list[str]:
+        return [r.getMessage().removeprefix("vllm-mamba-fix: ") for r in self.records]
 
 
 @contextlib.contextmanager
@@ -126,14 +110,3 @@ def names_text(names: list[str]) -> str:
     if len(names) <= 2:
         return " and ".join(names)
     return f"{', '.join(names[:-1])} and {names[-1]}"
-
-
-# The two stall settings in words: the settings check and --report say them alike.
-def watchdog_text(seconds: float | None) -> str:
-    return "stall watchdog off" if seconds is None else f"stall watchdog after {seconds:g} s"
-
-
-def stall_end_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "stalls no rule can end are never ended"
-    return f"a stall no rule can end is ended {seconds:g} s after it is named"

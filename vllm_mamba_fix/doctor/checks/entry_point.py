@@ -1,4 +1,5 @@
-"""Whether vLLM's plugin loader would find and load the plugin's ``register``."""
+"""Will vLLM load the plugin: whether its loader would find and load ``register``, and whether
+``VLLM_PLUGINS`` allows it; and the platform plugins installed."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ from typing import Any
 
 from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.doctor.report import Report, one_line, package_path
-from vllm_mamba_fix.facts.config import PLUGIN_NAME
+from vllm_mamba_fix.facts.config import (
+    ENV_VLLM_PLUGINS,
+    PLUGIN_NAME,
+    raw_values,
+    vllm_plugins_allows,
+)
 
 PLUGIN_GROUP = "vllm.general_plugins"
 ENTRY_POINT_VALUE = "vllm_mamba_fix:register"
+PLATFORM_GROUP = "vllm.platform_plugins"
 
 
 def check_entry_point(report: Report, register: Callable[..., Any]) -> bool:
@@ -20,16 +27,16 @@ def check_entry_point(report: Report, register: Callable[..., Any]) -> bool:
 
     info: dict[str, Any] = {"group": PLUGIN_GROUP, "name": PLUGIN_NAME, "found": False}
     report.data["entry_point"] = info
-    label = "entry point"
     try:
         found = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name == PLUGIN_NAME]
     except Exception as exc:
-        info["error"] = one_line(exc)
-        report.add("fail", label, f"cannot read entry points ({info['error']})")
+        info["error"] = f"cannot read entry points ({one_line(exc)})"
         return False
     if not found:
-        info["error"] = f"no {PLUGIN_GROUP} entry point named {PLUGIN_NAME!r} in {sys.executable}"
-        report.add("fail", label, f"{info['error']}; vLLM will never call the plugin")
+        info["error"] = (
+            f"no {PLUGIN_GROUP} entry point named {PLUGIN_NAME!r} in {sys.executable}; "
+            "vLLM will never call the plugin"
+        )
         return False
     ep = found[-1]  # vLLM keeps the last one of a name
     dist = getattr(ep, "dist", None)
@@ -47,17 +54,35 @@ def check_entry_point(report: Report, register: Callable[..., Any]) -> bool:
         func = ep.load()
     except Exception as exc:
         info["error"] = f"{ep.value} does not load ({one_line(exc)})"
-        report.add("fail", label, info["error"])
         return False
     if func is not register:
         info["error"] = f"{PLUGIN_NAME!r} resolves to {ep.value}, not {ENTRY_POINT_VALUE}"
-        report.add("fail", label, info["error"])
         return False
-    owner = f" ({dist.name} {dist.version})" if dist else ""
-    report.add("ok", label, f"{PLUGIN_GROUP}: {PLUGIN_NAME} -> {ep.value}{owner}")
     if dist and dist.version != __version__:
         report.warnings.append(
             f"installed metadata says {dist.name} {dist.version}, but this interpreter imports "
             f"vllm_mamba_fix {__version__} from {package_path()}"
         )
     return True
+
+
+def check_vllm_plugins(report: Report) -> bool:
+    raw = raw_values((ENV_VLLM_PLUGINS,))[ENV_VLLM_PLUGINS]
+    allows = vllm_plugins_allows()
+    report.data["vllm_plugins"] = {"value": raw, "allows": allows}
+    return allows
+
+
+def check_platform_plugins(report: Report) -> None:
+    from importlib.metadata import entry_points
+
+    try:
+        platforms = [f"{ep.name} -> {ep.value}" for ep in entry_points(group=PLATFORM_GROUP)]
+    except Exception:
+        platforms = []
+    report.data["platform_plugins"] = platforms
+    if platforms:
+        report.warnings.append(
+            f"platform plugins installed ({'; '.join(platforms)}): a platform may choose its "
+            "own scheduler class; check it with --scheduler-cls"
+        )

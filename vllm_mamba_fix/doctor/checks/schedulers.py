@@ -1,20 +1,12 @@
-"""The dry run: patch through ``register()``, settle and verify each scheduler class, undo.
-
-Each class is settled by ``plugin.check_class(cls)``, the same check the engine
-runs when it builds a scheduler (without a built scheduler, so no block size);
-doctor reads the :class:`~vllm_mamba_fix.observe.record.ClassRecord` it returns (the
-plugin records the base class even where it installs nothing), and verifies on
-the live classes that every method the record says carries a rule resolves to the
-plugin's wrapper. The plugin's log lines are captured to show them, never to decide.
-
-The plugin is handed over by :mod:`vllm_mamba_fix.doctor.core`, the one doctor module that
-imports it; :class:`Plugin` names what the dry run calls of it.
-"""
+"""The dry run: patch through ``register()``, settle each scheduler class with
+``plugin.check_class(cls)`` (the engine's own check, without a built scheduler, so no block
+size), read the install records it makes, verify on the live classes that every method a
+record gives a rule resolves to the plugin's wrapper, undo. The plugin's log lines are
+captured to show them, never to decide; :mod:`vllm_mamba_fix.doctor.core` hands the plugin over."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 from typing import Any, Protocol
 
@@ -24,23 +16,19 @@ from vllm_mamba_fix.doctor.report import (
     Report,
     captured_plugin_log,
     names_text,
-    qualname_of,
     stdout_to_stderr,
 )
-from vllm_mamba_fix.doctor.verdict import PER_SCHEDULER
+from vllm_mamba_fix.doctor.verdict import BASE_SCHEDULER, Found
 from vllm_mamba_fix.facts.config import Settings
-from vllm_mamba_fix.facts.evidence import defining_class
 from vllm_mamba_fix.facts.targets import SCHEDULER_CLASS, SCHEDULER_MODULE
 from vllm_mamba_fix.install import patch
 from vllm_mamba_fix.observe import record
 from vllm_mamba_fix.observe.record import ClassRecord, MethodState
 from vllm_mamba_fix.rules.table import (
     ALL_WRAPPED,
-    FIX_RULES,
     NEEDS,
     RULE_METHOD,
     RULE_METHODS,
-    SPLIT_RULES,
     rules_through,
 )
 
@@ -53,7 +41,6 @@ class Plugin(Protocol):
     def check_class(self, cls: type) -> ClassRecord | None: ...
 
 
-BASE_SCHEDULER = f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS}"
 ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
 
 
@@ -81,19 +68,12 @@ class ClassCheck:
     derives: bool  # from the base Scheduler
     record: ClassRecord | None  # None: not loaded, not derived, or the plugin kept none
     resolves_to_wrapper: dict[str, bool]  # per rule method, checked while the patch is on
-    # Defines a schedule() of its own (not the base's), so its code evidence is its own.
-    own_schedule: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class DryRun:
-    base: type | None
-    base_record: ClassRecord | None  # None only where the plugin never ran or the base is missing
-    wrapped: tuple[str, ...]  # the rule methods wrapped on the base class
     classes: tuple[ClassCheck, ...]
-    records: tuple[ClassRecord, ...]  # record.records() while the patch was on
-    # Of a scheduler already built in this process; a dry run builds none, so None.
-    block_size: int | None
+    records: tuple[ClassRecord, ...]  # record.records() while the patch was on: the verdict's input
 
 
 def _base_or_none() -> type | None:
@@ -113,58 +93,55 @@ def _overriding_subclasses(base: type) -> list[str]:
         seen.add(cls)
         stack.extend(cls.__subclasses__())
         if any(n in vars(cls) and not patch.is_wrapped(cls, n) for n in RULE_METHODS):
-            found.append(qualname_of(cls))
+            found.append(record.class_name(cls))
     return sorted(found)
-
-
-def _load(target: Target) -> type | str:
-    """The class, or why it cannot be loaded."""
-    try:
-        return resolve_class(target.qualname)
-    except LookupError as exc:
-        return str(exc)
 
 
 def _check_all(targets: list[Target], plugin: Plugin) -> list[ClassCheck]:
     """Import every class first (an import may replace a base method, as another platform
     plugin does), then settle each as the engine would, then verify what each resolves."""
-    loaded = [(target, _load(target)) for target in targets]
+    loaded: list[type | str] = []  # the class, or why it cannot be loaded
+    for target in targets:
+        try:
+            loaded.append(resolve_class(target.qualname))
+        except LookupError as exc:
+            loaded.append(str(exc))
     base = _base_or_none()
-    settled: list[tuple[Target, type | str, bool, ClassRecord | None]] = []
-    for target, cls in loaded:
-        derives = isinstance(cls, type) and base is not None and issubclass(cls, base)
-        # Only a Scheduler subclass is settled: the plugin must not wrap unrelated classes.
-        found = plugin.check_class(cls) if derives and isinstance(cls, type) else None
-        settled.append((target, cls, derives, found))
+    derives = [isinstance(c, type) and base is not None and issubclass(c, base) for c in loaded]
+    # Only a Scheduler subclass is settled: the plugin must not wrap unrelated classes.
+    settled = [plugin.check_class(c) if d and isinstance(c, type) else None
+               for c, d in zip(loaded, derives, strict=True)]  # fmt: skip
     checks: list[ClassCheck] = []
-    for target, cls, derives, found in settled:
-        if not isinstance(cls, type):
+    for target, cls, derived, found in zip(targets, loaded, derives, settled, strict=True):
+        if isinstance(cls, str):
             checks.append(ClassCheck(target, cls, False, None, {}))
             continue
         resolves = {name: patch.resolves_to_wrapper(cls, name) for name in RULE_METHODS}
-        own = derives and defining_class(cls, "schedule") not in (None, base)
         # The record as it stands now: settling a later class may have put a wrapper on a
         # base of this one, and the plugin re-describes the classes settled before.
-        if found is not None:
-            found = record.recorded(found.scheduler_class) or found
-        checks.append(ClassCheck(target, None, derives, found, resolves, own))
+        found = found and (record.recorded(found.scheduler_class) or found)
+        checks.append(ClassCheck(target, None, derived, found, resolves))
     return checks
 
 
-def _not_installed(base: type | None, base_record: ClassRecord | None) -> str:
-    """Why no rule wrapper is on the base class, from its typed record."""
+def _why_stock(
+    base: type | None, base_record: ClassRecord | None, wrapped: tuple[str, ...]
+) -> str | None:
+    """Why a method the base's plan gives a rule carries no wrapper (None: none does), from
+    the base's typed record."""
     if base is None:
         return f"cannot load {BASE_SCHEDULER}"
     if base_record is None:
-        return "the plugin kept no record of the base class (its import hook never ran)"
-    if not base_record.plan.rules:
+        return (
+            None
+            if wrapped
+            else "the plugin kept no record of the base class (its import hook never ran)"
+        )
+    if not wrapped and not base_record.plan.rules:
         return f"no rule to install: {base_record.plan.describe()}"
-    notes = [m.describe() for m in base_record.methods if not m.state.carries_rules]
-    return "; ".join(notes) or "no wrapper was installed"
-
-
-def _left_stock(base_record: ClassRecord, wrapped: tuple[str, ...]) -> str | None:
-    """Why a method the base's plan gives a rule carries no wrapper; None: none is left."""
+    if not wrapped:
+        notes = [m.describe() for m in base_record.methods if not m.state.carries_rules]
+        return "; ".join(notes) or "no wrapper was installed"
     wanted = {RULE_METHOD[rule] for rule in base_record.plan.rules}
     left = [m for m in base_record.methods if m.name in wanted and m.name not in wrapped]
     return "; ".join(m.note or m.describe() for m in left) or None
@@ -211,29 +188,12 @@ def dry_run(
         via="import hook" if not pre_imported else "immediate",
         restored=restored,
         overriding_subclasses=overriders,
-        log=capture.messages(logging.DEBUG),
+        log=capture.messages(),
     )
-    # Why a method the plan gives a rule stays stock (null: none does).
-    if not wrapped:
-        info["error"] = _not_installed(base, base_record)
-    else:
-        info["error"] = _left_stock(base_record, wrapped) if base_record else None
+    info["error"] = _why_stock(base, base_record, wrapped)
     if not restored:
         report.warnings.append("the dry run could not restore the stock methods (harmless here)")
-    block = next((r.block.mamba for r in records if r.block is not None), None)
-    return DryRun(base, base_record, wrapped, tuple(checks), records, block)
-
-
-def own_needs(check: ClassCheck) -> frozenset[Rule]:
-    """Fix rules a class needs by its own ``schedule()`` (not the base's): its record's code
-    verdicts. A rule that engages per scheduler is needed by what a built one shows."""
-    if not check.own_schedule or check.record is None:
-        return frozenset()
-    return frozenset(
-        v.rule
-        for v in check.record.plan.verdicts
-        if v.active and v.basis == "code" and v.rule in FIX_RULES and v.rule not in PER_SCHEDULER
-    )
+    return DryRun(tuple(checks), records)
 
 
 def _method_json(check: ClassCheck, name: str) -> dict[str, Any]:
@@ -245,123 +205,68 @@ def _method_json(check: ClassCheck, name: str) -> dict[str, Any]:
 
 
 def scheduler_entries(
-    report: Report, dry: DryRun, planned: frozenset[Rule], needed: frozenset[Rule]
+    report: Report, dry: DryRun, records: Found, needed: frozenset[Rule]
 ) -> list[dict[str, Any]]:
-    """One JSON entry and one line per class; each entry's ``problems`` break a needed rule."""
-    label = "scheduler"
+    """One JSON entry per class; each entry's ``problems`` break a needed rule (what breaks
+    none is a warning)."""
     entries: list[dict[str, Any]] = []
     for check in dry.classes:
         name, role = check.target.qualname, check.target.role
         entry: dict[str, Any] = {"class": name, "role": role, "loaded": check.error is None}
         entries.append(entry)
-        entry["problems"] = []
+        entry["problems"] = []  # the class's own problems: each breaks a needed rule
         if check.error is not None:
             entry.update(error=check.error, reached=False)
-            report.add("fail", label, f"{name} ({role}): {check.error}")
             continue
         methods = {m: _method_json(check, m) for m in RULE_METHODS}
+        overridden = next(
+            (m["overridden_by"] for m in methods.values() if m["overridden_by"]), None
+        )
+        own = check.record.methods if check.record else ()
+        carried = [m.name for m in own if m.state.carries_rules and m.rules]
         entry.update(
             derives_from_scheduler=check.derives,
             methods=methods,
-            overridden_by=next(
-                (m["overridden_by"] for m in methods.values() if m["overridden_by"]), None
-            ),
+            overridden_by=overridden,
             reached=False,
             record=check.record.to_json() if check.record else None,
         )
+        texts: list[tuple[str, bool]] = []
         if not check.derives:
-            text = f"{name} does not derive from {BASE_SCHEDULER}; the fix cannot reach it"
-            report.add("fail" if needed else "warn", label, text)
-            if needed:
-                entry["problems"].append(text)
-            continue
-        found = check.record
-        if found is None:
-            why = report.data["dry_run"].get("error") or "the plugin kept no record"
-            report.add("info", label, f"{name} ({role}): not settled: {why}")
-            continue
-        class_planned = planned | found.plan.rules
-        class_needed = needed | own_needs(check)
-        if _method_lines(report, entry, check, class_planned, class_needed):
-            _runs_lines(report, entry, check, found)
+            why = f"{name} does not derive from {BASE_SCHEDULER}; the fix cannot reach it"
+            texts.append((why, bool(needed)))
+        elif check.record is not None:
+            own = {r for r, names in records.needed_by.items() if name in names}
+            texts = _method_problems(check, records.planned | check.record.plan.rules, needed | own)
+        # Reached: every method that carries a rule resolves to its wrapper, and none escapes.
+        entry["reached"] = (
+            bool(carried) and not texts and all(check.resolves_to_wrapper[m] for m in carried)
+        )
+        entry["problems"] = [text for text, breaks in texts if breaks]
+        report.warnings.extend(text for text, breaks in texts if not breaks)
     return entries
 
 
-def _in_table_order(chosen: frozenset[Rule]) -> list[str]:
-    return [rule.value for rule in Rule if rule in chosen]
-
-
-def _runs_lines(
-    report: Report, entry: dict[str, Any], check: ClassCheck, found: ClassRecord
-) -> None:
-    """What runs for a class whose methods all carry what they should, from its record."""
+def _method_problems(
+    check: ClassCheck, planned: frozenset[Rule], needed: frozenset[Rule]
+) -> list[tuple[str, bool]]:
+    """Each method that does not carry a planned rule: why, and whether a needed rule breaks."""
     name, role = check.target.qualname, check.target.role
-    carried = [m.name for m in found.methods if m.state.carries_rules and m.rules]
-    runs = ", ".join(_in_table_order(found.rules))
-    if carried:
-        entry["reached"] = all(check.resolves_to_wrapper[m] for m in carried)
-        text = f"{name} ({role}) resolves the plugin's {' and '.join(carried)}"
-        report.add("ok", "scheduler", f"{text} ({runs or 'no rule runs'})")
-    elif found.plan.rules:
-        left = names_text(_in_table_order(found.left_out))
-        report.add("info", "scheduler", f"{name} ({role}): no rule runs; {left} left out")
-    else:
-        report.add("info", "scheduler", f"{name} ({role}): nothing to patch")
-    for rule in sorted(found.inherited, key=list(Rule).index):
-        method = found.method(RULE_METHOD[rule])
-        owner = method.owner if method else "a base class"
-        report.add("info", "", f"inherits {rule.value} from {owner}'s wrapper (its own plan "
-                   "does not need it)")  # fmt: skip
-    if found.split_idle:
-        idle = names_text(_in_table_order(found.plan.rules & SPLIT_RULES))
-        report.add("info", "", f"split rules idle ({idle or 'none planned'}): {found.split_idle}")
-    if found.block is not None:
-        report.add("info", "", f"block size of the scheduler built last: {found.block.describe()}")
-    for method in found.methods:
-        if method.state is MethodState.WRAPPED_REPLACEMENT or method.note:
-            report.add("info", "", method.describe())
-
-
-def _method_lines(
-    report: Report,
-    entry: dict[str, Any],
-    check: ClassCheck,
-    planned: frozenset[Rule],
-    needed: frozenset[Rule],
-) -> bool:
-    """Lines for the methods that do not carry a planned rule; False if there is any."""
-    name, role = check.target.qualname, check.target.role
-    clean = True
+    found: list[tuple[str, bool]] = []
     for method in RULE_METHODS:
-        if method in NEEDS:
-            continue  # its rules are named with the method they act through
         through = rules_through(method, planned)
-        if not through:
-            continue
+        state = check.record.method(method) if check.record else None
+        if method in NEEDS or not through or state is None:
+            continue  # NEEDS: its rules are named with the method they act through
         rules = names_text([r.value for r in through])
         rules += " does" if len(through) == 1 else " do"
-        breaks = any(r in needed for r in through)
-        found = check.record.method(method) if check.record else None
-        overridden = entry["methods"][method]["overridden_by"]
-        if found is not None and found.state is MethodState.OVERRIDDEN:
-            text = f"{name} ({role}) overrides {method} in {overridden or found.owner}; "
-            text += f"{rules} not reach it"
-        elif (
-            found is not None
-            and found.state is MethodState.UNPATCHABLE
-            and found.owner != BASE_SCHEDULER  # the base's own: the rule's problem says it
-        ):
-            text = f"{name} ({role}): {found.describe()}; {rules} not reach it"
-        elif (
-            found is not None
-            and found.state.carries_rules
-            and not check.resolves_to_wrapper[method]
-        ):
-            text = f"{name} ({role}) does not see the patched {method}"
+        if state.state is MethodState.OVERRIDDEN:
+            text = f"{name} ({role}) overrides {method} in {state.owner}; {rules} not reach it"
+        elif state.state is MethodState.UNPATCHABLE and state.owner != BASE_SCHEDULER:
+            text = f"{name} ({role}): {state.describe()}; {rules} not reach it"  # the base's:
+        elif state.state.carries_rules and not check.resolves_to_wrapper[method]:  # its rule's
+            text = f"{name} ({role}) does not see the patched {method}"  # problem says it
         else:
             continue
-        clean = False
-        report.add("fail" if breaks else "warn", "scheduler", text)
-        if breaks:
-            entry["problems"].append(text)
-    return clean
+        found.append((text, any(r in needed for r in through)))
+    return found

@@ -1,8 +1,6 @@
 """Speculative decoding: is a ``--speculative-config`` EAGLE-type, and what the plugin does.
-
-The engine decides the speculative set-up only when it starts, so doctor cannot
-see it; ``--speculative-config`` lets it classify the operator's, as vLLM does.
-"""
+The engine decides it only at start; ``--speculative-config`` lets doctor classify it, as
+vLLM does."""
 
 from __future__ import annotations
 
@@ -16,10 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_mamba_fix.decide.policy import Plan, Rule
-from vllm_mamba_fix.doctor.checks.mtp_output import mtp_output_warning
 from vllm_mamba_fix.doctor.report import stdout_to_stderr
-from vllm_mamba_fix.facts.versions import Family
-from vllm_mamba_fix.observe.mtp_tokens import VLLM_ISSUE
+from vllm_mamba_fix.facts.versions import Family, Verdict
+from vllm_mamba_fix.observe.mtp_tokens import CAUSE, COMBINATION, RELEASES, VLLM_ISSUE, WORKAROUND
 
 # vLLM 0.27.1's lists, used when the installed release's own cannot be read.
 _EAGLE_METHODS_0_27 = ("eagle", "eagle3", "mtp", "dflash", "dspark")
@@ -30,10 +27,9 @@ _MTP_ALIASES_0_27 = (
     "bailing_hybrid_mtp", "kimi_k3_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp",
     "gemma4_mtp", "inkling_mtp",
 )  # fmt: skip
-# Drafters that bring a KV cache group of their own whose block is smaller than a hybrid
-# target's Mamba block: the engine core's minimum over the groups then pulls
-# cache_config.block_size below it (0.34 v1/worker/gpu/model_states/mamba_hybrid.py:
-# "a drafter group with its own smaller block (e.g. DFlash)").
+# Drafters with a KV cache group of their own whose block is smaller than a hybrid target's
+# Mamba block: the engine core's minimum over the groups pulls cache_config.block_size below it
+# (0.34 v1/worker/gpu/model_states/mamba_hybrid.py: "a drafter group ... (e.g. DFlash)").
 OWN_KV_GROUP_METHODS = ("dflash",)
 OWN_KV_GROUP_TEXT = (
     "its drafter brings its own KV cache group with a smaller block, so on a hybrid model "
@@ -158,14 +154,28 @@ def parse_speculative_config(value: str) -> dict[str, Any]:
     return config
 
 
+def mtp_output_warning(eagle: bool | None, method: Any, version: str, family: Family) -> str | None:
+    """vLLM #53912 for an EAGLE-type method on a release with the split (0.15+), or None.
+
+    Wrong tokens after a prefix-cache hit on hybrid models, in vLLM's model runner
+    (:mod:`vllm_mamba_fix.observe.mtp_tokens`): a warning about vLLM that changes neither the
+    verdict nor the exit code; doctor cannot see the model or ``--enable-prefix-caching``."""
+    if eagle is not True or family.verdict is Verdict.ABSENT:
+        return None
+    return (
+        f"--speculative-config {method} is EAGLE-type: on vLLM {version}, {COMBINATION} can "
+        f"give wrong tokens after a prefix-cache hit ({VLLM_ISSUE}; {RELEASES}); {CAUSE}, "
+        "and the scheduler-side invariants of vLLM #47861/#48375 (EAGLE's last-block drop spares "
+        "Mamba groups; align-mode snapshots only at exact boundaries) already hold in 0.27.1's "
+        f"scheduler; {WORKAROUND}"
+    )
+
+
 def _what_the_plugin_does(
     decided: Plan | None, family: Family, installed: frozenset[Rule]
 ) -> tuple[str, str]:
-    """("ends" | "names" | "none", text): what the plugin does about the EAGLE encoder stall.
-
-    ``decided`` is the plan under the real settings (None: inactive); ``installed``
-    what the dry run of that plan installed.
-    """
+    """("ends" | "names" | "none", text): what the plugin does about the EAGLE encoder stall,
+    under the real settings' plan (None: inactive) and what its dry run installed."""
     if decided is None:
         return "none", "the plugin stays inactive, so it neither ends nor names an EAGLE stall"
     if decided.verdict(Rule.SPECULATIVE_STALL).active:
@@ -173,26 +183,18 @@ def _what_the_plugin_does(
             return "none", "the plugin would end the EAGLE encoder stall, but cannot install it"
         return "ends", "the plugin ends the EAGLE encoder stall"
     if family.drafter_fallback:
-        return (
-            "none",
-            "encoder inputs are freed without a look-ahead, so the EAGLE stall cannot arise",
-        )
+        return "none", "encoder inputs are freed without a look-ahead: the EAGLE stall cannot arise"
     if Rule.STALL_WATCHDOG in installed:
         return "names", (
             "the plugin only names an EAGLE encoder stall (watchdog); before 0.24 it cannot end "
             "it, as the model runner asserts on an encoder-cache miss"
         )
-    return (
-        "none",
-        "the plugin cannot end an EAGLE encoder stall before 0.24, and the watchdog is off",
-    )
+    return "none", "the plugin cannot end an EAGLE encoder stall before 0.24; the watchdog is off"
 
 
 @dataclasses.dataclass
 class SpeculativeCheck:
     data: dict[str, Any]  # the JSON object
-    mark: str
-    text: str
     eagle: bool | None  # None: not given, or only the engine can tell
     invalid: str | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
@@ -208,7 +210,6 @@ def check_speculative(
     """The speculative set-up, as far as it can be seen before the engine starts."""
     methods = release_speculative_methods()
     does, does_text = _what_the_plugin_does(decided, family, installed)
-    on_release = f"on vLLM {version} {does_text}"
     data: dict[str, Any] = {
         "visible": config is not None,
         "source": "--speculative-config" if config is not None else None,
@@ -216,33 +217,18 @@ def check_speculative(
         "eagle_methods": list(methods.eagle),
         "eagle_methods_from": methods.source,
         "plugin": does,
-        "plugin_text": on_release,
+        "plugin_text": f"on vLLM {version} {does_text}",
         "known_vllm_issue": None,  # vLLM's own wrong tokens under an EAGLE-type method
     }
     if config is None:
-        text = (
-            f"decided by the engine at start, not visible yet; {on_release} "
-            f"(EAGLE-type methods: {', '.join(methods.eagle)}; pass --speculative-config to "
-            "check yours)"
-        )
-        return SpeculativeCheck(data, "info", text, None)
+        return SpeculativeCheck(data, None)
     found = classify_speculative(config, methods)
     data.update(found)
     if found["invalid"]:
-        text = f"--speculative-config: {found['invalid']}"
-        return SpeculativeCheck(data, "fail", text, None, invalid=text)
+        return SpeculativeCheck(data, None, invalid=f"--speculative-config: {found['invalid']}")
     method = found["resolved_method"]
-    if found["eagle_type"] is None:
-        # Only worth a warning where a stall would stay: the plugin just names it.
-        mark = "warn" if does == "names" else "info"
-        return SpeculativeCheck(data, mark, f"{found['how']}; {on_release}", None)
     if not found["eagle_type"]:
-        text = f"method {method} is not EAGLE-type: the EAGLE encoder stall cannot arise"
-        return SpeculativeCheck(data, "ok", text, False)
-    given = "" if method == found["method"] else f" ({found['how']})"
-    text = f"method {method}{given} is EAGLE-type; {on_release}"
-    if found["drafter_kv_group"]:
-        text += f"; {OWN_KV_GROUP_TEXT} (see block-unit)"
+        return SpeculativeCheck(data, found["eagle_type"])
     warnings = []
     if does == "names":
         warnings.append(
@@ -254,5 +240,4 @@ def check_speculative(
     known = mtp_output_warning(True, method, version, family)
     data["known_vllm_issue"] = None if known is None else {"issue": VLLM_ISSUE, "text": known}
     warnings += [known] if known else []
-    mark = {"ends": "ok", "names": "warn"}.get(does, "info")
-    return SpeculativeCheck(data, mark, text, True, warnings=warnings)
+    return SpeculativeCheck(data, True, warnings=warnings)

