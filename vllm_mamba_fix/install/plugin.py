@@ -4,16 +4,10 @@ vLLM calls ``register()`` in every process it starts and does not catch what
 a general plugin raises, so nothing here may raise. When in doubt, vLLM is
 left untouched and one log line says why.
 
-Two steps: when the scheduler module is imported, the base ``Scheduler`` gets
-the rules its own code needs; when the engine builds a scheduler, its class is
-checked, settled (:func:`vllm_mamba_fix.install.patch.settle_method`) and recorded
-(:mod:`vllm_mamba_fix.observe.record`), and one active line per class says what runs.
-
-Every change to the process (class methods, stream generators, import hooks, the /metrics
-collector, the variable handed to engine cores, attributes of built schedulers) is made
-through one record, :data:`vllm_mamba_fix.changes.installation`; :func:`unregister` is its
-undo, newest first, followed by forgetting what the plugin knew (records, settled classes,
-lines said once), so a later :func:`register` starts afresh.
+Two steps: when the scheduler module is imported, the base ``Scheduler`` gets the rules its
+own code needs; when the engine builds a scheduler, its class is settled and recorded, and
+one active line per class says what runs. Every change goes through
+:data:`vllm_mamba_fix.changes.installation`, which :func:`unregister` closes.
 """
 
 from __future__ import annotations
