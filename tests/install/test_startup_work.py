@@ -48,10 +48,12 @@ def counting_read(cls):
 
 plugin.read_evidence = counting_read
 vllm_mamba_fix.register()
+loaded = sorted(m for m in sys.modules if m.startswith("vllm_mamba_fix"))
 import vllm.v1.core.sched.scheduler as module
 from tools.sched_harness import split_is_wrapped
 record = vllm_mamba_fix.records()[0]
-print(json.dumps({**counts, "pluggy": "pluggy" in sys.modules, "patched": split_is_wrapped(),
+print(json.dumps({**counts, "loaded": loaded, "pluggy": "pluggy" in sys.modules,
+                  "patched": split_is_wrapped(),
                   "problem": record.evidence.problem,
                   "split_after_encoder": record.evidence.split_after_encoder}))
 """
@@ -75,6 +77,49 @@ def test_register_reads_the_scheduler_once_and_leaves_pluggy_alone(case: str) ->
     assert found["pluggy"] is False, found  # no scope rule installed: no manager to build
     assert found["read_evidence"] == 1, found  # the base, once (its settling reuses it)
     assert found["getsource"] == 0, found  # read from the code objects' line spans
+    if case == "hook":  # no scheduler yet: the rules, patcher and record wait for it
+        assert not _deferred_loaded(found["loaded"]), found["loaded"]  # type: ignore[arg-type]
+
+
+# What only a built (or imported) scheduler or doctor needs (the stream-end patch, which
+# register() attaches when stalls end, needs two small rule modules).
+DEFERRED = (
+    "vllm_mamba_fix.rules.table",
+    "vllm_mamba_fix.rules.split_rule",
+    "vllm_mamba_fix.rules.wrappers",
+    "vllm_mamba_fix.rules.stall_end",
+    "vllm_mamba_fix.install.patch",
+    "vllm_mamba_fix.install.active_line",
+    "vllm_mamba_fix.observe.record",
+    "vllm_mamba_fix.observe.mtp_tokens",
+    "vllm_mamba_fix.decide.scope",
+    "vllm_mamba_fix.doctor",
+)
+# Loaded by importing the entry point (the package's front door), out of the 46 that 0.5.0's
+# front door loaded; a new module on the path must earn its place here.
+MAX_LOADED_BY_ENTRY_POINT = 24
+STREAM_END = "vllm_mamba_fix.install.stream_end"  # attached by register(), not by the import
+
+
+def _deferred_loaded(loaded: list[str]) -> list[str]:
+    return [m for m in loaded if m.startswith(DEFERRED)]
+
+
+def test_the_entry_point_loads_only_what_register_needs() -> None:
+    # A fresh interpreter, without vLLM: what ``import vllm_mamba_fix`` alone loads.
+    code = (
+        "import json, sys, vllm_mamba_fix\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('vllm_mamba_fix'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "vllm_mamba_fix.install.plugin" in loaded, loaded  # the probe saw the package
+    assert not _deferred_loaded(loaded), loaded
+    assert not [m for m in loaded if m.startswith(("vllm_mamba_fix.rules", STREAM_END))], loaded
+    assert len(loaded) <= MAX_LOADED_BY_ENTRY_POINT, loaded
 
 
 def test_an_installed_scope_rule_still_builds_the_manager(

@@ -8,7 +8,7 @@ these names without the deciding.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class Rule(enum.Enum):
@@ -21,8 +21,7 @@ class Rule(enum.Enum):
     STALL_END = "stall-end"
 
 
-@dataclass(frozen=True)
-class RuleVerdict:
+class RuleVerdict(NamedTuple):
     rule: Rule
     active: bool
     basis: str  # what decided: "code", "version" or "setting"
@@ -37,8 +36,7 @@ class RuleVerdict:
         return self.unset or self
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     verdicts: tuple[RuleVerdict, ...]
 
     @property

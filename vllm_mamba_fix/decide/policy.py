@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from vllm_mamba_fix.decide.plan import Plan, Rule, RuleVerdict
 from vllm_mamba_fix.facts.config import (
@@ -60,8 +60,7 @@ __all__ = [  # Rule, RuleVerdict and Plan are plan.py's, named here for the verd
 ]
 
 
-@dataclass(frozen=True)
-class Facts:
+class Facts(NamedTuple):
     """What a rule's need is decided from."""
 
     settings: Settings
@@ -197,8 +196,7 @@ class Preflight(enum.Enum):
         return self is Preflight.FORCED or self is Preflight.PROCEED
 
 
-@dataclass(frozen=True)
-class PreflightResult:
+class PreflightResult(NamedTuple):
     """The outcome, and the one line that says why (its log level is the caller's)."""
 
     outcome: Preflight

@@ -9,7 +9,7 @@ shift, where the image deadlock is, ...) is in ``tools/release_facts.py``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
@@ -28,8 +28,7 @@ class Verdict(enum.Enum):
     UNKNOWN = "unknown"  # the version cannot be parsed
 
 
-@dataclass(frozen=True)
-class Family:
+class Family(NamedTuple):
     name: str
     first: tuple[int, int, int]  # inclusive
     end: tuple[int, int, int] | None  # exclusive; None: open-ended

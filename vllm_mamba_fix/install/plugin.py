@@ -4,16 +4,10 @@ vLLM calls ``register()`` in every process it starts and does not catch what
 a general plugin raises, so nothing here may raise. When in doubt, vLLM is
 left untouched and one log line says why.
 
-Two steps: when the scheduler module is imported, the base ``Scheduler`` gets
-the rules its own code needs; when the engine builds a scheduler, its class is
-checked, settled (:func:`vllm_mamba_fix.install.patch.settle_method`) and recorded
-(:mod:`vllm_mamba_fix.observe.record`), and one active line per class says what runs.
-
-Every change to the process (class methods, stream generators, import hooks, the /metrics
-collector, the variable handed to engine cores, attributes of built schedulers) is made
-through one record, :data:`vllm_mamba_fix.changes.installation`; :func:`unregister` is its
-undo, newest first, followed by forgetting what the plugin knew (records, settled classes,
-lines said once), so a later :func:`register` starts afresh.
+Two steps: when the scheduler module is imported, the base ``Scheduler`` gets the rules its
+own code needs; when the engine builds a scheduler, its class is settled and recorded, and
+one active line per class says what runs. Every change goes through
+:data:`vllm_mamba_fix.changes.installation`, which :func:`unregister` closes.
 """
 
 from __future__ import annotations
@@ -23,25 +17,26 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.changes import installation, say_once
 from vllm_mamba_fix.decide.policy import Facts, Plan, Preflight, Rule, preflight
-from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.facts.blocks import BlockUnit, unit_of_scheduler
 from vllm_mamba_fix.facts.config import Settings, load_settings
 from vllm_mamba_fix.facts.evidence import Evidence, read_evidence
 from vllm_mamba_fix.facts.targets import FREE_METHOD, INIT_METHOD, SPLIT_METHOD, defined_scheduler
 from vllm_mamba_fix.facts.versions import Family, family_for
-from vllm_mamba_fix.install import import_hook, patch, stream_end
-from vllm_mamba_fix.install.active_line import log_record
-from vllm_mamba_fix.observe import counters, metrics, mtp_tokens, record, series
-from vllm_mamba_fix.observe.record import ClassRecord, MethodRecord, MethodState, class_name
-from vllm_mamba_fix.rules import table as rules
-from vllm_mamba_fix.rules.split_settle import set_block_unit
-from vllm_mamba_fix.rules.wrappers import settle_if_differs
+from vllm_mamba_fix.install import import_hook
+from vllm_mamba_fix.observe import counters, metrics
+
+# Imported where first used, not here: register() runs in every process vLLM starts, and
+# most never build a scheduler (the front end, workers). The rules, the patcher and the
+# record load with the scheduler module (tests/install/test_startup_work.py).
+if TYPE_CHECKING:
+    from vllm_mamba_fix.decide.scope import ScopePolicy
+    from vllm_mamba_fix.observe.record import ClassRecord, MethodRecord
 
 _lock = threading.RLock()
 _SETUP = fields("setup")  # the log fields of a line with no facts but its event
@@ -131,12 +126,16 @@ def _register(settings: Settings) -> Any:
     metrics.attach()
     if settings.end_stalls_after is not None:
         # The API server: a streaming client of a request the stall end ends is told.
+        from vllm_mamba_fix.install import stream_end
+
         stream_end.attach()
     return lambda module: _patch_scheduler(module, settings, family, version)
 
 
 def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, dict[str, Any], Evidence]:
     """``cls``'s plan from its own code, and its wrappers' options (read once per class)."""
+    from vllm_mamba_fix.rules import table as rules
+
     # The code read: a class whose schedule() or free is replaced later is read again.
     key = (cls, getattr(cls, "schedule", None), getattr(cls, FREE_METHOD, None))
     known = installed.plans.get(key)
@@ -151,6 +150,13 @@ def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, dict[str, Any], E
 
 
 def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, version: str) -> None:
+    from vllm_mamba_fix.decide.scope import ScopePolicy
+    from vllm_mamba_fix.install import patch
+    from vllm_mamba_fix.install.active_line import log_record
+    from vllm_mamba_fix.observe import record
+    from vllm_mamba_fix.observe.record import class_name
+    from vllm_mamba_fix.rules import table as rules
+
     try:
         with _lock:
             setup = installation.memory[Setup]
@@ -197,6 +203,8 @@ def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, ver
 
 
 def _install_problem_line(name: str, problem: str, decided: Plan) -> str:
+    from vllm_mamba_fix.rules import table as rules
+
     if name in rules.RULE_METHODS:
         carried = ", ".join(r.value for r in rules.rules_through(name, decided.rules))
         verb = "not patching" if name == SPLIT_METHOD else "not installing"
@@ -217,6 +225,11 @@ def _split_idle(scheduler: Any, unit: BlockUnit) -> str | None:
 
 def _on_scheduler_built(scheduler: Any) -> None:
     """Runs at the end of ``Scheduler.__init__`` (once per construction, never per step)."""
+    from vllm_mamba_fix.observe import mtp_tokens, series
+    from vllm_mamba_fix.observe.record import class_name
+    from vllm_mamba_fix.rules.split_settle import set_block_unit
+    from vllm_mamba_fix.rules.wrappers import settle_if_differs
+
     unit = unit_of_scheduler(scheduler)
     set_block_unit(scheduler, unit)
     found = check_class(type(scheduler), unit, _split_idle(scheduler, unit))
@@ -239,12 +252,15 @@ def check_class(
     Doctor calls it without a scheduler (``unit`` None) for ``--scheduler-cls``. A class
     settled before keeps its settlement; only the facts of the scheduler built last change.
     """
+    from vllm_mamba_fix.install.active_line import log_record
+    from vllm_mamba_fix.observe import record
+
     with _lock:
         setup = installation.memory[Setup]
         installed = setup.installed
         if installed is None:
             return None
-        name = class_name(cls)
+        name = record.class_name(cls)
         found = record.recorded(name)
         if found is None or _replaced_since(cls, found):
             found = _settle_class(cls, installed)
@@ -259,6 +275,8 @@ def check_class(
 
 def _replaced_since(cls: type, found: ClassRecord) -> bool:
     """Another plugin assigned over a wrapper the record says ``cls`` resolves to."""
+    from vllm_mamba_fix.install import patch
+
     return any(
         m.state.carries_rules and not patch.resolves_to_wrapper(cls, m.name) for m in found.methods
     )
@@ -266,6 +284,10 @@ def _replaced_since(cls: type, found: ClassRecord) -> bool:
 
 def _settle_class(cls: type, installed: _Installed) -> ClassRecord:
     """Make what ``cls`` resolves carry the rules its own code needs."""
+    from vllm_mamba_fix.install import patch
+    from vllm_mamba_fix.observe.record import ClassRecord, class_name
+    from vllm_mamba_fix.rules import table as rules
+
     decided, options, evidence = _plan_for(cls, installed)
     owner_options: dict[type, dict[str, Any]] = {cls: options}
 
@@ -293,14 +315,19 @@ def _settle_class(cls: type, installed: _Installed) -> ClassRecord:
 
 def _refresh_others(settled: type, installed: _Installed) -> None:
     """Settling ``settled`` may have put a wrapper on a base of classes settled before."""
+    from vllm_mamba_fix.install import patch
+    from vllm_mamba_fix.observe import record
+    from vllm_mamba_fix.observe.record import MethodState
+
     setup = installation.memory[Setup]
+    redescribed = (MethodState.STOCK, MethodState.WRAPPED)
     for name, cls in list(setup.settled.items()):
         found = record.recorded(name)
         if cls is settled or found is None:
             continue
         wanted = {m.name: _wanted(found, m.name) for m in found.methods}
         methods = tuple(
-            patch.describe_method(cls, m.name, wanted[m.name]) if m.state in _REDESCRIBED else m
+            patch.describe_method(cls, m.name, wanted[m.name]) if m.state in redescribed else m
             for m in found.methods
         )
         if methods == found.methods:
@@ -313,10 +340,9 @@ def _refresh_others(settled: type, installed: _Installed) -> None:
             logger.info("vllm-mamba-fix: %s now resolves %s", name, moved, extra=extra)
 
 
-_REDESCRIBED = (MethodState.STOCK, MethodState.WRAPPED)
-
-
 def _wanted(found: ClassRecord, method: str) -> frozenset[Rule]:
+    from vllm_mamba_fix.rules import table as rules
+
     return frozenset(r for r in found.plan.rules if rules.RULE_METHOD[r] == method)
 
 

@@ -25,14 +25,8 @@ streamed for it, then at the end of the results it raises the release's own
 error event (``data: {"error": {...}}``), then ``[DONE]``. 0.33 sends a ``RequestError`` the
 same way.
 
-Decided by the code, never raising into vLLM:
-
-- not needed where ``EngineCoreOutput`` carries ``error`` (0.33+: the end sends a
-  ``RequestError``, which vLLM streams itself);
-- applied only where the generator's source shows the skip that ignores ``finish_reason``
-  (:func:`read_shape`), the ``async for`` over ``result_generator`` and an ``except
-  GenerationError`` that yields;
-- otherwise one warning line, and the generator stays stock.
+Applied only where the generator's source shows that skip (:func:`read_shape`); otherwise
+one warning line, and the generator stays stock.
 
 :func:`attach` is idempotent. The wrappers and the import hooks are changes recorded in
 :data:`vllm_mamba_fix.changes.installation` (:data:`TAG`, :data:`HOOK_TAG`): ``unregister()``

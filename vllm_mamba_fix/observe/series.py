@@ -16,16 +16,14 @@ earlier run left in a ``PROMETHEUS_MULTIPROC_DIR`` nobody wiped does not add to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_mamba_fix._version import __version__
 
 Labels = tuple[tuple[str, str], ...]
 
 
-@dataclass(frozen=True)
-class Series:
+class Series(NamedTuple):
     metric: str  # without "_total", as prometheus_client keys a counter
     help: str
     labels: Labels = ()
