@@ -665,7 +665,7 @@ def test_a_copy_beside_its_original_is_within_the_bound_or_counted(diff_mode: Mo
 # cacheable boundary EAGLE backs off to, with a budget's remainder below a block; stock
 # schedules it unfloored, its next chunk would cross 96 from mid-block and is re-aligned: 11
 # steps for 0.28.0's 10. The block-unit rule answers 0 there, as 0.28 does
-# (`split_reads.eagle_remainder_waits`), and r0 takes the block next step: 10.
+# (`split_rule.eagle_remainder_waits`), and r0 takes the block next step: 10.
 EAGLE_REMAINDER = Workload(
     PropScenario(
         block_size=48, budget=57, encoder_cache=26, threshold=0,
@@ -694,11 +694,11 @@ def test_an_eagle_remainder_waits_for_a_block(diff_mode: Mode) -> None:
 
 @contextlib.contextmanager
 def _remainder_scheduled() -> Iterator[None]:
-    from vllm_mamba_fix.rules import split_reads
+    from vllm_mamba_fix.rules import split_rule
 
-    waits = split_reads.eagle_remainder_waits
-    split_reads.eagle_remainder_waits = lambda call, start: False  # type: ignore[assignment]
+    waits = split_rule.eagle_remainder_waits
+    split_rule.eagle_remainder_waits = lambda call, start: False  # type: ignore[assignment]
     try:
         yield
     finally:
-        split_reads.eagle_remainder_waits = waits  # type: ignore[assignment]
+        split_rule.eagle_remainder_waits = waits  # type: ignore[assignment]

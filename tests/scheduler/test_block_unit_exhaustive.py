@@ -288,18 +288,29 @@ def build_pairs(load_plugin: Callable[..., bool]) -> list[Pair]:
     """Every stock scheduler first, with no plugin loaded; then the plugin; then every (A)."""
     stock: dict[tuple[int, Setting], Any] = {}
     configured_stock: dict[tuple[int, int, Setting], Any] = {}
+    rejected: set[tuple[int, Setting]] = set()
     for cache, configured in PAIRS:
         for setting in settings(cache):
             if (cache, setting) not in stock:
-                built = harness.build_scheduler(harness_config(cache, setting, None))
+                try:
+                    built = harness.build_scheduler(harness_config(cache, setting, None))
+                except ValueError:  # 0.17.1's config rejects some budgets (a pydantic assert)
+                    rejected.add((cache, setting))
+                    continue
                 assert built.scheduler.cache_config.block_size == cache == built.block_size
                 stock[cache, setting] = built.scheduler
+            if (cache, setting) in rejected:
+                continue
             built = harness.build_scheduler(harness_config(cache, setting, configured))
             configured_stock[cache, configured, setting] = built.scheduler
+    if len(rejected) == len(stock) + len(rejected):
+        pytest.skip(f"this release rejects every setting of the grid: {sorted(rejected)}")
     load_plugin()
     pairs = []
     for cache, configured in PAIRS:
         for setting in settings(cache):
+            if (cache, setting) in rejected:
+                continue
             built = harness.build_scheduler(harness_config(cache, setting, configured))
             assert built.block_size == cache  # what the Mamba cache stores
             # What vLLM floors to (the scheduler itself may hold the rule's view already).
@@ -345,13 +356,21 @@ def test_starved_split_answers_are_stocks_configured_stopped_at_the_cache_bounda
 ) -> None:
     stock = stock_split()
     knobs = Knobs.of(stock)
-    built = {
-        (cache, setting): harness.build_scheduler(harness_config(cache, setting, configured))
-        for cache, configured, setting in STARVED
-    }
+    built = {}
+    for cache, configured, setting in STARVED:
+        try:
+            built[cache, setting] = harness.build_scheduler(
+                harness_config(cache, setting, configured)
+            )
+        except ValueError:  # a release whose config asserts budget or threshold >= the block
+            continue
+    if not built:
+        pytest.skip("this release's config rejects every starved setting")
     load_plugin()
     tally = Tally(configured_differs=1)
     for cache, configured, setting in STARVED:
+        if (cache, setting) not in built:
+            continue
         plugin = harness.build_scheduler(harness_config(cache, setting, configured))
         oracle = built[cache, setting].scheduler  # stock with K
         longest = min(x for x in (setting.budget, setting.threshold) if x)

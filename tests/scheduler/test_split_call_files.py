@@ -108,6 +108,9 @@ def _assert_calls(calls: list[Call]) -> None:
     whole = [c for c in looked if c.vllm_answer == c.asked]
     assert whole, "no whole chunk"
     for call in whole:
+        if call.corrected:  # only the EAGLE remainder's wait (0.15-0.26 under MTP) changes one
+            assert call.answer == 0, call
+            continue
         assert call.files == {WRAPPER_FILE}, (call, sorted(call.files))
 
 

@@ -16,21 +16,18 @@
 #           encoder inputs before the split.
 """The split method's wrapper and the split rule, top to bottom.
 
-1. :class:`WrapOptions` (kept in :mod:`~vllm_mamba_fix.rules.split_settle`, which reads it):
-   which rules a built wrapper carries.
+1. :class:`WrapOptions` (kept in :mod:`~vllm_mamba_fix.rules.split_settle`): which rules a
+   built wrapper carries.
 2. Per scheduler, once: its :class:`~vllm_mamba_fix.facts.blocks.SplitState`, settled at its
-   first split (:mod:`vllm_mamba_fix.rules.split_settle`; the block-unit rule's view of
-   ``cache_config`` is given to the scheduler there, so vLLM's split floors in the cache's
-   block by itself).
-3. Per call (:func:`make_wrapper`): vLLM's answer; returned at once where the scheduler is
-   quiet, or the answer is the whole chunk and no whole chunk can cross a boundary (every
-   decode, most prefill chunks). Nothing else of the package runs then.
-4. The rest, one :class:`SplitCall` with named fields, meets :meth:`SplitRule.look`: the
-   block-unit rule's count (and its stop where ``starved``), a 0 out of the rule's scope
-   returned as it is, else :meth:`SplitRule.correct`, which asks
-   :func:`vllm_mamba_fix.decide.decision.decide` with plain numbers and counts the
-   correction; what it reads of the scheduler besides is :func:`tail_frees_room_at` and
-   :mod:`vllm_mamba_fix.rules.split_reads` (issue 44 item 4).
+   first split (:mod:`vllm_mamba_fix.rules.split_settle`, which also gives it the block-unit
+   rule's view of ``cache_config``).
+3. Per call (:func:`make_wrapper`): vLLM's answer, returned at once where the scheduler is
+   quiet or no whole chunk can cross a boundary (every decode, most prefill chunks).
+4. The rest, one :class:`SplitCall`, meets :meth:`SplitRule.look`: the block-unit rule's
+   count (its stop where ``starved``), a 0 out of scope returned as it is, else
+   :meth:`SplitRule.correct` (``decide()`` on plain numbers, the correction counted); the
+   scheduler reads of issue 44 item 4 are :func:`tail_frees_room_at`,
+   :func:`eagle_remainder_waits` and :mod:`vllm_mamba_fix.rules.split_reads`.
 
 The fast-path predicates are :func:`~vllm_mamba_fix.decide.decision.can_need_correction`
 and :func:`~vllm_mamba_fix.decide.decision.whole_chunks_may_cross`, beside ``decide()`` and
@@ -70,12 +67,8 @@ from vllm_mamba_fix.rules import block_unit, encoder_cut, split_reads
 from vllm_mamba_fix.rules.marking import marked
 from vllm_mamba_fix.rules.split_settle import WrapOptions, settle
 
-# -- 1. options ----------------------------------------------------------------------------
-
-
-# The fast wrapper's default for a trailing argument its caller left out: methods with
-# exactly the known trailing parameters get a wrapper with no *args/**kwargs forwarding
-# (that alone costs about 0.6 us a call).
+# The fast wrapper's default for a trailing argument its caller left out: a wrapper of the
+# known trailing parameters forwards no *args/**kwargs (that alone costs about 0.6 us a call).
 NOT_GIVEN: Any = object()
 NO_KWARGS: Kwargs = {}  # the known signature's keywords: none (only unpacked, never changed)
 
@@ -85,9 +78,6 @@ def extra_computed_tokens(args: Args, kwargs: Kwargs) -> int:
     for name in EXTRA_COMPUTED_PARAMETERS[len(args) :]:
         extra += kwargs.get(name, 0)
     return extra
-
-
-# -- 3. per call -----------------------------------------------------------------------------
 
 
 def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable[..., int]:
@@ -154,8 +144,7 @@ def _any_signature(
     original: Callable[..., int], options: WrapOptions, rule: SplitRule
 ) -> Callable[..., int]:
     """The wrapper for a split whose trailing parameters the plugin does not know."""
-    settled = rule.settled
-    look = rule.look
+    settled, look = rule.settled, rule.look
 
     def split(self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> int:
         state = getattr(self, SPLIT_ATTR, None)
@@ -175,8 +164,7 @@ def _any_signature(
 
 def stays_in_block(start: int, tokens: int, size: int) -> bool:
     """Whether a chunk of ``tokens`` from ``start`` starts on a boundary or ends in its block:
-    a whole chunk :func:`~vllm_mamba_fix.decide.decision.decide` leaves as it is (tested
-    against it exhaustively), so the wrapper returns it at once."""
+    a whole chunk ``decide()`` leaves as it is (tested exhaustively), returned at once."""
     into_block = start % size
     return not into_block or into_block + tokens <= size
 
@@ -194,9 +182,6 @@ class SplitCall(NamedTuple):
     kwargs: Kwargs = NO_KWARGS
 
 
-# -- 4. the rule -------------------------------------------------------------------------------
-
-
 class SplitRule:
     """What one split wrapper knows besides vLLM's split: its options, and its one failure
     report (then vLLM's answer stands)."""
@@ -209,8 +194,7 @@ class SplitRule:
         self.by_position = options.prefill_gate is PrefillGate.BEFORE_PREFILL_END
         # Only the block-unit rule's re-align applies to a request the split rule leaves.
         self.realign_others = options.block_rule and options.realign and options.realign_others
-        # The split rule's scope, answered here for the built-in scopes (the patch has loaded
-        # the scope hooks already); None: the split rule is off.
+        # The split rule's scope (the patch loaded the scope hooks); None: the rule is off.
         self.takes_request = _scope_test(options.scope) if options.deadlock_rules else None
 
     def settled(self, scheduler: Any) -> SplitState:
@@ -233,13 +217,12 @@ class SplitRule:
         """An answer a rule may act on: counted or corrected, else returned as it is."""
         answer = call.answer
         try:
-            start = call.request.num_computed_tokens + call.offset
-            state = call.state
+            start, state = call.request.num_computed_tokens + call.offset, call.state
             if state.view is not None or state.starved:
                 answer = self._block_unit(call, start)
             if answer == call.asked:
                 if stays_in_block(start, answer, state.size):
-                    if self.realign_others and split_reads.eagle_remainder_waits(call, start):
+                    if self.realign_others and eagle_remainder_waits(call, start):
                         rid = call.request.request_id
                         counters.record(Action.REALIGNED, rid, start, 0, state.size)
                         return 0
@@ -283,15 +266,10 @@ class SplitRule:
         return chunk
 
     def correct(self, call: SplitCall, start: int) -> int:
-        """The rare path: 0.28's answer where the encoder check cut the chunk, the re-align.
-
-        Where the encoder-input check cut the chunk (its wrapper noted it,
-        :mod:`vllm_mamba_fix.rules.encoder_cut`), vLLM's split is asked for the chunk
-        before the cut, and the answer ends at the cut; whatever kept the input out, the cut
-        is never floored to 0. A chunk the token budget cut stays stock's wait, as in 0.28,
-        unless the block is beyond the longest chunk vLLM's split is ever asked for
-        (``beyond_chunk``: that 0 never clears on 0.15-0.26).
-        """
+        """The rare path: 0.28's answer where the encoder check cut the chunk (its wrapper
+        noted it, :mod:`~vllm_mamba_fix.rules.encoder_cut`: the chunk ends at the cut, never
+        floored to 0), the re-align. A token-budget cut stays stock's wait, as in 0.28, unless
+        ``beyond_chunk`` (that 0 never clears on 0.15-0.26)."""
         request, asked, answer, state = call.request, call.asked, call.answer, call.state
         ruled_out = not self.takes(request)
         if ruled_out and (not self.realign_others or not answer):
@@ -319,8 +297,7 @@ class SplitRule:
         """The decision's chunk where its rule acts on this request, counted; else vLLM's."""
         action = decision.action
         # No boundary is exempt, not even past vLLM's EAGLE-backed-off last_cache_position:
-        # the block a mid-block start leaves behind holds the state at ``start`` and is
-        # cached as the state at the boundary once a chunk crosses it (vLLM #51113, 0.27+).
+        # a block left mid-block is cached with the wrong state once crossed (#51113, 0.27+).
         if action is Action.UNCHANGED or (action is Action.REALIGNED and not self.options.realign):
             return call.answer
         if ruled_out and not (action is Action.REALIGNED and self.realign_others):
@@ -353,7 +330,7 @@ def tail_frees_room_at(scheduler: Any, request: Any, start: int, cut: int, answe
     """:func:`~vllm_mamba_fix.decide.decision.tail_frees_room` with the scheduler's numbers: the
     input at ``start + cut``, the cache's room left to it, the slots of the request's own inputs
     ending in ``(start + answer, start + cut]``. Read only where the encoder stop would replace
-    a whole-block answer (a kept whole block has tokens: the request still moves)."""
+    a whole-block answer."""
     feats = list(getattr(request, "mm_features", None) or ())
     at = start + cut
     later = [i for i, f in enumerate(feats) if f.mm_position.offset >= at]
@@ -376,6 +353,37 @@ def tail_frees_room_at(scheduler: Any, request: Any, start: int, cut: int, answe
                 held += other.get_num_encoder_embeds(i)
     in_tail = sum(size(i) for i in own if start + answer < ends[i] <= at)
     return tail_frees_room(size(later[0]), manager.cache_size - held, in_tail)
+
+
+def eagle_remainder_waits(call: Any, start: int) -> bool:
+    """Whether a token budget's sub-block remainder from the last cacheable boundary under
+    EAGLE waits for a step that gives a block, as 0.28 floors it (0.15-0.26 only): those
+    releases back that position off a block and leave a chunk from it unfloored ([96, 101) of
+    a 153-token prompt in block 48), whose next chunk crosses 144 from mid-block (#51113).
+    Only where a step can give a block and the token budget, not an input, cut the chunk.
+    Here, not in split_reads.py: a corrected call enters at most four package files."""
+    request, size, answer = call.request, call.state.size, call.answer
+    if answer >= size or start % size or getattr(call.scheduler, "use_eagle", False) is not True:
+        return False
+    tokens = request.num_tokens
+    last = max(tokens - tokens % size - size, 0)
+    prefill_end = max(request.num_prompt_tokens, tokens - 1)
+    if start != last or start + size >= prefill_end:
+        return False
+    # An input at the chunk's end (or one look-ahead token past it): the encoder check may
+    # have cut it, and 0.28's order may give that chunk: left as it is.
+    end = start + answer
+    if any(end <= f.mm_position.offset <= end + 1 for f in request.mm_features or ()):
+        return False
+    # A step can give a block: read here, not through facts.blocks.longest_chunk (one file
+    # fewer on a corrected call), the same budget and threshold.
+    scheduler = call.scheduler
+    budget = getattr(scheduler, "max_num_scheduled_tokens", None)
+    threshold = getattr(
+        getattr(scheduler, "scheduler_config", None), "long_prefill_token_threshold", 0
+    )
+    limits = [x for x in (budget, threshold) if isinstance(x, int) and x > 0]
+    return bool(limits) and size <= min(limits)
 
 
 def _scope_test(scope: Any) -> Callable[[Any], bool]:
