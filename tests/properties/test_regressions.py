@@ -613,6 +613,8 @@ def test_a_waiting_reference_is_dropped(diff_mode: Mode) -> None:
     bound = _bound(WAITING_REFERENCE, diff_mode)
     assert bound is not None
     assert figures["steps_plugin"] <= bound[1], (figures, bound)
+    if _differential.release() >= (0, 28):
+        return  # 0.28 splits first: its encoder check takes no reference to drop
     kept = _plugin(WAITING_REFERENCE, diff_mode, _references_kept)
     assert kept.steps > bound[1], (kept.steps, bound)
 
