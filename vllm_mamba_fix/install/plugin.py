@@ -150,14 +150,14 @@ def _plan_for(cls: type, installed: _Installed) -> tuple[Plan, dict[str, Any], E
 
 
 def _patch_scheduler(module: ModuleType, settings: Settings, family: Family, version: str) -> None:
-    from vllm_mamba_fix.decide.scope import ScopePolicy
-    from vllm_mamba_fix.install import patch
-    from vllm_mamba_fix.install.active_line import log_record
-    from vllm_mamba_fix.observe import record
-    from vllm_mamba_fix.observe.record import class_name
-    from vllm_mamba_fix.rules import table as rules
+    try:  # the imports too: this runs inside vLLM's import of the scheduler module
+        from vllm_mamba_fix.decide.scope import ScopePolicy
+        from vllm_mamba_fix.install import patch
+        from vllm_mamba_fix.install.active_line import log_record
+        from vllm_mamba_fix.observe import record
+        from vllm_mamba_fix.observe.record import class_name
+        from vllm_mamba_fix.rules import table as rules
 
-    try:
         with _lock:
             setup = installation.memory[Setup]
             base = defined_scheduler(module)
