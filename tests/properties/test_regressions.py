@@ -590,19 +590,24 @@ def test_a_self_held_tail_keeps_the_encoder_stop(diff_mode: Mode) -> None:
 
 
 @contextlib.contextmanager
-def _always_keep_whole_blocks() -> Iterator[None]:
-    from vllm_mamba_fix.rules import split_rule
+def _swapped(module: str, name: str, make: Any) -> Iterator[None]:
+    """The package's ``module.name`` replaced by ``make(original)`` for one run."""
+    import importlib
 
-    decide = split_rule.decide
-
-    def keeping(*args: Any, **kwargs: Any) -> Any:
-        return decide(*args, **{**kwargs, "tail_frees": False})
-
-    split_rule.decide = keeping  # type: ignore[assignment]
+    target = importlib.import_module(f"vllm_mamba_fix.{module}")
+    original = getattr(target, name)
+    setattr(target, name, make(original))
     try:
         yield
     finally:
-        split_rule.decide = decide  # type: ignore[assignment]
+        setattr(target, name, original)
+
+
+def _always_keep_whole_blocks() -> contextlib.AbstractContextManager[None]:
+    def keeping(decide: Any) -> Any:
+        return lambda *args, **kwargs: decide(*args, **{**kwargs, "tail_frees": False})
+
+    return _swapped("rules.split_rule", "decide", keeping)
 
 
 def test_a_waiting_reference_is_dropped(diff_mode: Mode) -> None:
@@ -619,16 +624,8 @@ def test_a_waiting_reference_is_dropped(diff_mode: Mode) -> None:
     assert kept.steps > bound[1], (kept.steps, bound)
 
 
-@contextlib.contextmanager
-def _references_kept() -> Iterator[None]:
-    from vllm_mamba_fix.rules import split_reads
-
-    drop = split_reads.drop_waiting_references
-    split_reads.drop_waiting_references = lambda scheduler, request: None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        split_reads.drop_waiting_references = drop  # type: ignore[assignment]
+def _references_kept() -> contextlib.AbstractContextManager[None]:
+    return _swapped("rules.split_reads", "drop_waiting_references", lambda _: lambda *a: None)
 
 
 # Found by test_inputs_at_block_boundaries in CI's first workload on 0.15.1 (sync), the shape
@@ -694,13 +691,5 @@ def test_an_eagle_remainder_waits_for_a_block(diff_mode: Mode) -> None:
         assert scheduled.steps > bound[1], (scheduled.steps, bound)
 
 
-@contextlib.contextmanager
-def _remainder_scheduled() -> Iterator[None]:
-    from vllm_mamba_fix.rules import split_rule
-
-    waits = split_rule.eagle_remainder_waits
-    split_rule.eagle_remainder_waits = lambda call, start: False  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        split_rule.eagle_remainder_waits = waits  # type: ignore[assignment]
+def _remainder_scheduled() -> contextlib.AbstractContextManager[None]:
+    return _swapped("rules.split_rule", "eagle_remainder_waits", lambda _: lambda *a: False)
