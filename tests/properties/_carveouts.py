@@ -13,6 +13,13 @@ counted in the run's figures (`carveout_<name>`) and described in docs/reliabili
   `decide(..., tail_frees=)` (`split_rule.tail_frees_room_at`) and keeps the whole block; the
   counterfactual (`tail_frees_of`, the same numbers read here) stays, so a run it still
   explains would show that the wiring missed a cut.
+- `kept_whole_block`: the reverse of `whole_block_tail`: the split rule kept the whole-block
+  answer where the tail frees nothing (as designed), and 0.28's chunk ending at the input
+  finishes sooner anyway, because a preempting KV pool then runs differently (the kept block
+  leaves another request's blocks in place, and a later step preempts; found in async on
+  0.27.1, pinned as `KEPT_BLOCK_IN_A_PREEMPTING_POOL`). Counterfactual: the encoder stop as
+  0.28 answers it (`decide(..., tail_frees=None)`). No rule: which way a preemption falls
+  later is not the split call's to know.
 - `waiting_reference`: through 0.27 the encoder check runs before the split, also for a
   waiting request whose chunk then is 0, and takes a reference on a cached input it shares
   (a concurrent copy, a repeat): the input stays held while the request waits, and another
@@ -42,6 +49,7 @@ from vllm_mamba_fix.decide import decision
 from vllm_mamba_fix.rules import split_rule
 
 WHOLE_BLOCK_TAIL = "whole_block_tail"
+KEPT_WHOLE_BLOCK = "kept_whole_block"
 WAITING_REFERENCE = "waiting_reference"
 ZERO_THAT_CLEARS = "zero_that_clears"
 
@@ -105,6 +113,22 @@ def whole_block_tail() -> Iterator[None]:
         split_rule.decide = decide  # type: ignore[assignment]
 
 
+@contextlib.contextmanager
+def kept_whole_block() -> Iterator[None]:
+    """The split rule's encoder stop as 0.28 answers it: `decide` never told `tail_frees`."""
+    decide = split_rule.decide
+
+    def deciding(stock: int, n: int, start: int, block: int, uncut: int | None = None,
+                 tail_frees: bool | None = None) -> decision.Decision:  # fmt: skip
+        return decide(stock, n, start, block, uncut, None)
+
+    split_rule.decide = deciding  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        split_rule.decide = decide  # type: ignore[assignment]
+
+
 def release_waiting_references(scheduler: Any) -> None:
     """Drop every encoder-cache reference of a request left waiting (0.28 takes none)."""
     ecm = scheduler.encoder_cache_manager
@@ -135,7 +159,8 @@ def waiting_reference() -> Iterator[None]:
 COUNTERFACTUALS = {WHOLE_BLOCK_TAIL: (whole_block_tail,),
                    WAITING_REFERENCE: (waiting_reference,),
                    f"{WHOLE_BLOCK_TAIL}+{WAITING_REFERENCE}": (whole_block_tail,
-                                                                 waiting_reference)}  # fmt: skip
+                                                                 waiting_reference),
+                   KEPT_WHOLE_BLOCK: (kept_whole_block,)}  # fmt: skip
 
 
 EAGLE_LAST_CACHEABLE = "eagle_last_cacheable"
