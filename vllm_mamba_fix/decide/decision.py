@@ -1,18 +1,11 @@
-"""The correction rules, as pure functions of plain integers.
+"""The correction rules, as pure functions of plain integers (no vLLM: tested exhaustively).
 
-No vLLM import here: everything a rule needs is passed in as numbers, so it
-can be tested exhaustively without a scheduler.
-
-- :func:`decide` (the split rule): through 0.27.1 vLLM budgets encoder inputs
-  before the Mamba split, so a chunk cut short before an image is floored to 0
-  and the request never moves. Upstream moved the split first in 0.28.0
-  (vLLM #51603); the rule is needed there only under a scheduler whose own
-  ``schedule()`` keeps the old order. Blocks are the cache's
-  (:mod:`vllm_mamba_fix.facts.blocks`).
-- :func:`speculative_stall_release` and the unshifted cut (the speculative-stall
-  rule): from 0.24.0 vLLM frees an encoder input only past the drafter's
-  look-ahead (vLLM #46315) and cuts before an input by that shift; 0.33.0 does
-  neither, so the rule stops being needed there.
+- :func:`decide` (the split rule): through 0.27.1 vLLM budgets encoder inputs before the
+  Mamba split, so a chunk cut short before an image is floored to 0 and the request never
+  moves; 0.28.0 splits first (vLLM #51603).
+- :func:`speculative_stall_release` and the unshifted cut (the speculative-stall rule): from
+  0.24.0 vLLM frees an encoder input only past the drafter's look-ahead (vLLM #46315) and
+  cuts before an input by that shift; 0.33.0 does neither.
 """
 
 from __future__ import annotations
@@ -26,23 +19,18 @@ class Action(enum.Enum):
     """What the wrapper did to the stock result."""
 
     UNCHANGED = "unchanged"
-    # Stock floored a sub-block chunk to 0; the request would never progress.
-    COLLAPSE_PREVENTED = "collapse-prevented"
-    # The chunk started mid-block and would have crossed the next boundary,
-    # caching a block whose Mamba state belongs to an earlier position.
+    COLLAPSE_PREVENTED = "collapse-prevented"  # stock floored a sub-block chunk to 0
+    # A chunk from mid-block would have crossed the next boundary (a block cached with the
+    # Mamba state of an earlier position).
     REALIGNED = "realigned"
-    # Stock floored a chunk cut short at an encoder input; upstream (0.28+)
-    # ends it at that input, saving a step.
-    STOPPED_AT_ENCODER_INPUT = "stopped-at-encoder-input"
-    # EAGLE-type speculation parked the request at an encoder input it holds
-    # itself (shifted cut, deferred free), or at two it must encode within the
-    # shift (a warm repeat); ended the 0.33 way.
+    STOPPED_AT_ENCODER_INPUT = "stopped-at-encoder-input"  # at the input, as 0.28+
+    # EAGLE-type speculation parked the request at its own held input (shifted cut, deferred
+    # free) or at two within the shift (a warm repeat); ended the 0.33 way.
     SPECULATIVE_STALL_RELEASED = "speculative-stall-released"
-    # The block-unit rule: vLLM's split, asked with the cache's block, ended the
-    # chunk elsewhere than with cache_config.block_size (vLLM #54076).
+    # The block-unit rule: ended elsewhere than cache_config.block_size would (vLLM #54076).
     BLOCK_ALIGNED = "block-aligned"
-    # A waiting request whose split answered 0 let go of the cached encoder inputs its
-    # encoder check took a reference on (0.28 splits first and takes none).
+    # A waiting request whose split answered 0 let go of the cached inputs its encoder check
+    # referenced (0.28 splits first and takes none).
     ENCODER_REFERENCES_DROPPED = "encoder-references-dropped"
 
 
@@ -64,27 +52,19 @@ def decide(
     uncut_stock_tokens: int | None = None,
     tail_frees: bool | None = None,
 ) -> Decision:
-    """Correct the stock result of ``_mamba_block_aligned_split``.
+    """Correct the stock result of ``_mamba_block_aligned_split`` for a prefill chunk.
 
-    Only for a prefill chunk: the caller asks it in prefill (as each release defines it).
+    ``stock_tokens``: vLLM's answer for at most ``num_new_tokens`` from ``start``;
+    ``uncut_stock_tokens``: where the encoder check cut the chunk, vLLM's answer for the chunk
+    it was asked (its own stops kept).
 
-    ``stock_tokens`` is what vLLM's method returned for a chunk of at most
-    ``num_new_tokens`` tokens starting at ``start`` (computed tokens so far).
-    ``uncut_stock_tokens`` is given when the chunk was cut short at the start
-    of an encoder input that could not be scheduled: what vLLM returns for the
-    chunk extended past the next boundary after that cut (its own stops kept).
-
-    - Collapse: stock returned 0 for a prefill chunk that had tokens to give.
-      Schedule what fits, so the request progresses.
-    - Re-align: a prefill chunk starting mid-block ends at or before the next
-      boundary, so the block there is cached with the state that belongs to it.
-    - Encoder stop: a chunk cut at an encoder input ends at that input, as it
-      does upstream, where the split runs before encoder budgeting. Not past a
-      whole-block answer to a mid-block cut when ``tail_frees`` is False (the tail
-      frees none of the room the input at the cut waits for, :func:`tail_frees_room`):
-      that input waits on another request or the step's encoder budget, which may
-      clear by the next step, and a chunk ended mid-block costs a re-aligned chunk
-      then (issue 44 item 4). ``None`` (not known): the encoder stop, as 0.28.
+    - Collapse: stock floored a chunk with tokens to 0: schedule what fits.
+    - Re-align: a chunk starting mid-block ends by the next boundary, so that block is cached
+      with its own state.
+    - Encoder stop: an encoder cut ends at the input, as upstream (0.28). Not past a
+      whole-block answer to a mid-block cut when ``tail_frees`` is False (:func:`tail_frees_room`):
+      the input waits on another request or the budget, and a chunk ended mid-block costs a
+      re-aligned chunk next step (issue 44 item 4).
     """
     if num_new_tokens <= 0 or block_size <= 0 or stock_tokens < 0:
         return Decision(stock_tokens, Action.UNCHANGED)
@@ -109,15 +89,10 @@ def decide(
 
 def tail_frees_room(need: int, room: int, own_in_tail: int) -> bool:
     """Whether computing a cut chunk's tail (past the split's whole-block answer, up to the
-    encoder input at the cut) frees the encoder-cache room that input waits for.
-
-    ``need``: the input's encoder tokens; ``room``: the cache's slots left to it once every
-    input another request references and every input of its own stays (free and freeable
-    slots alike); ``own_in_tail``: the slots of its own inputs that end inside the tail,
-    freed once it is computed. True only where the input does not fit now and fits once the
-    tail's inputs are freed: the request waits on itself (issue 2's two images in a block),
-    and only the encoder stop moves it. Else the input fits already (the step's encoder
-    budget kept it out, spent anew next step) or waits on another request either way.
+    input at the cut) frees the cache room that input waits for: it does not fit now (``room``:
+    the slots left once every other reference and its own inputs stay) and fits once its own
+    inputs ending in the tail are freed. Else it fits already (the step's encoder budget kept
+    it out) or waits on another request either way.
     """
     return room < need <= room + own_in_tail
 
@@ -125,32 +100,21 @@ def tail_frees_room(need: int, room: int, own_in_tail: int) -> bool:
 def can_need_correction(
     stock_tokens: int, num_new_tokens: int, start: int, block_size: int
 ) -> bool:
-    """False when :func:`decide` keeps the stock result whatever else holds.
-
-    The wrapper's fast path: a full chunk that stays inside its block or starts
-    on a boundary (every decode step and most prefill chunks).
-    """
-    return stock_tokens != num_new_tokens or crosses_next_boundary(start, stock_tokens, block_size)
+    """False when :func:`decide` keeps the stock result whatever else holds (the fast path: a
+    full chunk that stays inside its block or starts on a boundary)."""
+    if stock_tokens != num_new_tokens:
+        return True
+    offset = start % block_size
+    return offset != 0 and offset + stock_tokens > block_size
 
 
 def whole_chunks_may_cross(
     realigns: bool, split_stops_mid_block: bool, split_block: int, cache_block: int
 ) -> bool:
-    """Whether a chunk vLLM's split returns whole can cross a cache boundary from mid-block,
-    so that the re-align rule must look at every whole chunk.
-
-    Never where no re-align rule runs (``realigns``). Else only where vLLM's split keeps a
-    mid-block start misaligned (0.15-0.26), or stops it at the boundaries of another block
-    than the cache's (``split_block``: the block its answer is floored in).
-    """
+    """Whether a whole chunk can cross a cache boundary from mid-block: only where a re-align
+    rule runs and vLLM's split keeps a mid-block start misaligned (0.15-0.26) or floors in
+    another block than the cache's."""
     return realigns and (not split_stops_mid_block or split_block != cache_block)
-
-
-def crosses_next_boundary(start: int, tokens: int, block_size: int) -> bool:
-    """Whether ``tokens`` from a mid-block ``start`` pass the next boundary (a chunk the
-    re-align rule stops there)."""
-    offset = start % block_size
-    return offset != 0 and offset + tokens > block_size
 
 
 def configured_floor_differs(
@@ -162,12 +126,9 @@ def configured_floor_differs(
     final: bool,
 ) -> bool:
     """Whether vLLM's floor to ``configured_block`` ends ``[start, start + num_new_tokens)``
-    elsewhere than ``start + chunk``: a chunk the block-unit rule changed.
-
-    By arithmetic, not by asking vLLM again: the other stops of the split are the same in
-    both blocks. ``absolute_end``: 0.26+ floor the chunk's end and stop a mid-block start
-    at the next boundary; 0.15-0.25 floor its length. ``final``: the chunk reaches the end
-    of prefill, which no release floors.
+    elsewhere than ``start + chunk``: a chunk the block-unit rule changed. By arithmetic (the
+    split's other stops are the same in both blocks): ``absolute_end``, 0.26+ floor the end and
+    stop a mid-block start at the next boundary, 0.15-0.25 the length; ``final``, no floor.
     """
     if chunk <= 0 or configured_block <= 0:
         return False
@@ -203,21 +164,13 @@ class StallRelease(NamedTuple):
 def speculative_stall_release(
     computed: int, shift: int, held: Mapping[int, tuple[int, int]]
 ) -> StallRelease:
-    """Whether a request that got 0 tokens is parked by its own encoder input.
+    """Whether a request that got 0 tokens is parked by its own encoder input (``held``: its
+    cached inputs' placeholder ``(offset, length)``; ``shift``: the drafter's look-ahead).
 
-    ``held`` maps the ids of the request's inputs in the encoder cache to their
-    placeholder ``(offset, length)``; ``shift`` is the drafter's look-ahead that
-    vLLM subtracts at an encoder cut (0 without EAGLE-type speculation).
-
-    Under speculation vLLM 0.24-0.32 cut a chunk ``shift`` tokens before an
-    input it cannot schedule, and free a held input only ``shift`` tokens after
-    its end. A held input that ends within ``computed + shift`` therefore keeps
-    the cache full for the input that is next, and neither moves again:
-
-    - it ends at or before ``computed``: only the deferred free holds it, so
-      free it now (0.33 frees it there);
-    - it ends after ``computed``: the shifted cut keeps the request from
-      computing its last tokens, so cut without the shift (0.33's cut).
+    vLLM 0.24-0.32 cut ``shift`` tokens before an input they cannot schedule and free a held
+    input only ``shift`` tokens past its end, so one ending within ``computed + shift`` keeps
+    the cache full: one ending by ``computed`` is freed now, else the cut drops the shift
+    (both 0.33's way).
     """
     if shift <= 0:
         return StallRelease(False, ())
@@ -233,19 +186,12 @@ def unshifted_cut_needed(
     inputs: Mapping[int, tuple[int, int]],
     held: Collection[int],
 ) -> bool:
-    """Whether a request that got 0 tokens at ``computed`` needs 0.33's unshifted cut.
+    """Whether a request that got 0 tokens at ``computed`` needs 0.33's unshifted cut
+    (``inputs``: every input's placeholder ``(offset, length)``; ``held``: ids cached).
 
-    ``inputs`` maps the ids of all the request's encoder inputs to their
-    placeholder ``(offset, length)``; ``held`` are the ids it has in the encoder
-    cache; ``shift`` is as in :func:`speculative_stall_release`.
-
-    vLLM 0.15-0.32 budget the inputs up to ``shift`` tokens past the chunk and
-    cut the chunk ``shift`` tokens before the first one that does not fit. When
-    two inputs that are not cached lie within ``computed + shift``, the second
-    starts after ``computed`` and, if the cache cannot hold both, the cut is 0
-    on every step, with nothing held. A warm repeat lands there: a prefix hit
-    one token before the end of an evicted image, the next image right after it.
-    Without the shift the cut is the tokens up to that second input, at least 1.
+    vLLM 0.15-0.32 cut ``shift`` tokens before the first input that does not fit: two uncached
+    inputs within ``computed + shift`` that the cache cannot hold both cut 0 on every step
+    (a warm repeat: a hit one token before an evicted image's end, the next image after it).
     """
     if shift <= 0:
         return False

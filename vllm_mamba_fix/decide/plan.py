@@ -1,8 +1,5 @@
-"""The rules' names, a verdict on one, and a plan of them: plain values, no imports of ours.
-
-:mod:`vllm_mamba_fix.decide.policy` decides each verdict; the install record
-(:mod:`vllm_mamba_fix.observe.record`) keeps the plan each scheduler class got, so it needs
-these names without the deciding.
+"""The rules' names, a verdict on one, and a plan of them: plain values, no imports of ours
+(the install record keeps plans without the deciding, :mod:`vllm_mamba_fix.decide.policy`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """How each rule's need is decided: settings, release data and code evidence in, a verdict out.
 
-Pure functions; no vLLM import and no logging (callers pick the log level). The rule
-table (:mod:`vllm_mamba_fix.rules.table`) names which function decides which rule, and
-:func:`vllm_mamba_fix.rules.table.plan` runs them in its order.
-
-The rules, why they exist, and where they stop being needed:
-
-- ``split``: wraps ``_mamba_block_aligned_split``. Through 0.27.1 ``schedule()``
-  budgets encoder inputs before the split, so a chunk cut short before an image
-  is floored to 0 and the request never moves. Upstream moved the split ahead of
-  encoder budgeting in 0.28.0 (vLLM #51603); a platform scheduler that keeps the
-  old order in its own ``schedule()`` still needs the rule on any release.
-- ``block-unit``: wraps ``_mamba_block_aligned_split`` too. Every release's split
-  floors to ``cache_config.block_size``, which can differ from the block the Mamba
-  cache stores (vLLM #54076); where it does, stock chunks end inside cached blocks
-  and later prefix hits give wrong tokens. Engaged per scheduler, where the sizes
-  differ; on 0.15-0.25 it also re-aligns a text request that starts mid-block.
-- ``speculative-stall``: wraps ``_try_schedule_encoder_inputs``. From 0.24.0 an
-  encoder-cache entry is freed only past the drafter's look-ahead (vLLM #46315),
-  which parks a request whose images sit closer than that under EAGLE-type
-  speculation. 0.33.0 frees without the delay and cuts without the shift.
-- ``stall-watchdog``: names a request that gets 0 tokens for long, with its cause.
-- ``stall-end``: ends a named stall that no rule can end, with an error to its client.
+Pure: no vLLM, no logging (callers pick the log level). The rule table
+(:mod:`vllm_mamba_fix.rules.table`) names which function decides which rule and runs them in
+its order; why each rule exists and where it stops being needed is its module's header.
 """
 
 from __future__ import annotations
@@ -30,7 +11,8 @@ import enum
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from vllm_mamba_fix.decide.plan import Plan, Rule, RuleVerdict
+from vllm_mamba_fix.decide.plan import Plan as Plan  # plan.py's, re-exported for its callers
+from vllm_mamba_fix.decide.plan import Rule, RuleVerdict
 from vllm_mamba_fix.facts.config import (
     ENV_BLOCK_RULE,
     ENV_END_STALLS_AFTER,
@@ -43,22 +25,6 @@ from vllm_mamba_fix.facts.config import (
 from vllm_mamba_fix.facts.evidence import Evidence
 from vllm_mamba_fix.facts.versions import Family, Verdict
 
-__all__ = [  # Rule, RuleVerdict and Plan are plan.py's, named here for the verdicts' callers
-    "Earlier",
-    "Facts",
-    "Plan",
-    "Preflight",
-    "PreflightResult",
-    "Rule",
-    "RuleVerdict",
-    "block_unit_verdict",
-    "preflight",
-    "speculative_verdict",
-    "split_verdict",
-    "stall_end_verdict",
-    "watchdog_verdict",
-]
-
 
 class Facts(NamedTuple):
     """What a rule's need is decided from."""
@@ -66,18 +32,6 @@ class Facts(NamedTuple):
     settings: Settings
     family: Family
     evidence: Evidence
-
-    @property
-    def split_after_encoder(self) -> bool:
-        """Whether the class's ``schedule()`` budgets encoder inputs before the split.
-
-        Its code decides; the version where the code cannot tell. Only in that order
-        can a split 0 be an encoder stall: where the split runs first (vLLM #51603)
-        it is a wait for token budget.
-        """
-        if self.evidence.split_after_encoder is not None:
-            return self.evidence.split_after_encoder
-        return self.family.verdict is not Verdict.NOT_NEEDED
 
 
 Earlier = Mapping[Rule, RuleVerdict]  # the verdicts decided before, in table order
@@ -101,16 +55,12 @@ def _split_need(facts: Facts) -> RuleVerdict:
     if evidence.split_after_encoder is not None:
         by_version = family.verdict is Verdict.PATCH
         if evidence.split_after_encoder:
-            own = evidence.schedule_owner != "Scheduler"
-            note = (
-                ""
-                if by_version
-                else (
-                    "; on this release only a scheduler with its own schedule() needs it"
-                    if own
-                    else "; the version alone would have left it (a pre-fix build)"
-                )
-            )
+            if by_version:
+                note = ""
+            elif evidence.schedule_owner != "Scheduler":
+                note = "; on this release only a scheduler with its own schedule() needs it"
+            else:
+                note = "; the version alone would have left it (a pre-fix build)"
             return RuleVerdict(
                 Rule.SPLIT, True, "code",
                 f"{evidence.schedule_owner}.schedule budgets encoder inputs before the split, so "
@@ -147,17 +97,11 @@ def speculative_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
             "before 0.24 the model runner asserts on any encoder-cache miss; the watchdog names "
             "such stalls instead",
         )  # fmt: skip
-    basis = "version" if evidence.deferred_encoder_free is None else "code"
-    deferred = (
-        family.deferred_encoder_free
-        if evidence.deferred_encoder_free is None
-        else evidence.deferred_encoder_free
-    )
-    if deferred:
-        reason = "encoder inputs are freed only past the drafter's look-ahead"
-    else:
-        reason = "encoder inputs are freed without a look-ahead delay"
-    return RuleVerdict(Rule.SPECULATIVE_STALL, deferred, basis, reason)
+    found = evidence.deferred_encoder_free
+    deferred = family.deferred_encoder_free if found is None else found
+    how = "only past the drafter's look-ahead" if deferred else "without a look-ahead delay"
+    basis = "version" if found is None else "code"
+    return RuleVerdict(Rule.SPECULATIVE_STALL, deferred, basis, f"encoder inputs are freed {how}")
 
 
 def watchdog_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:

@@ -1,9 +1,7 @@
-"""Which requests the wrapper may correct, asked through the pluggy hook.
+"""Which requests the wrapper may correct: the built-in rule, or third parties' pluggy hook.
 
-Third-party rules are loaded once, when the scheduler is patched, so no
-scheduling step pays for scanning entry points. With none installed the
-built-in rule answers directly, and pluggy is not even imported (a plain read of the
-installed distributions' entry points finds none); any failure falls back to it.
+Third-party rules are loaded once, when the scheduler is patched; with none installed
+pluggy is not even imported (a plain read of the entry points finds none).
 """
 
 from __future__ import annotations
@@ -113,15 +111,12 @@ class ScopePolicy:
     def _report_hook_failure(self, exc: Exception) -> None:
         log = logger.debug if self._hook_failed else logger.warning
         self._hook_failed = True
+        problem = f"{type(exc).__name__}: {exc}"
         log(
             "vllm-mamba-fix: a scope hook raised %s: %s; using the built-in %r scope",
-            type(exc).__name__,
-            exc,
-            self.scope.value,
-            extra=fields(
-                "fallback", problem=f"{type(exc).__name__}: {exc}", scope=self.scope.value
-            ),
-        )
+            type(exc).__name__, exc, self.scope.value,
+            extra=fields("fallback", problem=problem, scope=self.scope.value),
+        )  # fmt: skip
 
 
 def builtin_scope(scope: Any) -> Scope | None:

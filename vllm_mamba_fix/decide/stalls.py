@@ -1,14 +1,8 @@
 """Zero-token streaks per request: when a 0 is a stall, and what the watchdog says.
 
-A request that gets 0 tokens once may only be deferred for a step (a short
-budget, another request's image in the cache). The same 0 at the same position
-step after step is a stall. Both the rules and the watchdog ask this module.
-No vLLM import: positions, sizes and times are plain numbers.
-
-No process state either: the stores of streaks are
-:mod:`vllm_mamba_fix.rules.zero_streaks`, the clock is the caller's (``now`` is passed in),
-and naming and ending a stall are :mod:`vllm_mamba_fix.rules.stall_watch` and
-:mod:`vllm_mamba_fix.rules.stall_end`'s.
+A 0 may defer a request for a step; the same 0 at the same position step after step is a
+stall. Plain numbers only: the stores of streaks are :mod:`vllm_mamba_fix.rules.zero_streaks`
+and the clock is the caller's (``now`` is passed in).
 """
 
 from __future__ import annotations
@@ -58,12 +52,9 @@ def own_inputs_block(
 ) -> str | None:
     """Why the request's own encoder inputs keep it at its position whatever others do, or None.
 
-    ``held`` are the inputs it holds in the encoder cache (it frees none while it
-    gets 0 tokens), ``needed`` the ones it must have scheduled for its smallest
-    chunk that vLLM would not return as 0, by identifier (a repeated image is one
-    entry), as encoder tokens. With every other request gone the cache has
-    ``cache_size`` slots and one step ``encoder_budget`` (None: not a bound, as
-    with an EC connector). None: they fit, so the 0 may come from other requests.
+    ``held``: its inputs in the cache (it frees none while it gets 0), ``needed``: those its
+    smallest chunk vLLM would not return as 0 needs, by identifier, in encoder tokens;
+    ``encoder_budget`` None is no bound (an EC connector). None: they fit alone.
     """
     needed = {key: n for key, n in needed.items() if key not in held}
     largest = max(needed.values(), default=0)
@@ -121,17 +112,13 @@ def cross_hold_block(
 ) -> str | None:
     """Why ``subject`` must be ended to break a hold across requests, or None.
 
-    ``needs``: per named stall with no progress (``subject`` among them), the encoder
-    tokens it must newly place in the cache to get its next chunk; ``holds``: the cache
-    entries requests reference; ``free``: the tokens free or held by no request
-    (``num_freeable_slots``); ``ending``: requests already ordered to end, whose space
-    counts as free. A request not in ``needs`` (moving, or waiting for token budget) is
-    assumed to free everything it holds. ``subject`` is proven only in a set of stalls that
-    wait on each other's space (a deadlock), and only as that set's one victim: the one
-    whose end frees the most space (what it holds that no other stall of the set holds), then
-    the one that holds the most, then the latest to arrive, then the largest id. A request
-    that holds nothing is never the victim. So one end breaks a mutual hold and the others
-    complete; a set that needs more ends gets them one at a time.
+    ``needs``: per named stall with no progress, the encoder tokens it must newly place;
+    ``holds``: the entries requests reference; ``free``: tokens free or held by no request;
+    ``ending``: requests ordered to end (their space counts as free). A request not in
+    ``needs`` is assumed to free all it holds. ``subject`` is proven only in a set of stalls
+    waiting on each other's space (a deadlock), and only as its one victim: the most space
+    freed, then held, then the latest arrival, then the largest id; never one holding
+    nothing. One end breaks a mutual hold; a set that needs more gets them one at a time.
     """
     blocked = _blocked(needs, holds, free, ending)
     if subject not in blocked:
@@ -144,11 +131,10 @@ def cross_hold_block(
             if rid in holders and not (only and (holders - {rid}) & blocked)
         )  # fmt: skip
 
-    def freed(rid: str) -> int:
-        return held(rid, True)
-
     when = arrival or {}
-    victim = max(blocked, key=lambda rid: (freed(rid), held(rid, False), when.get(rid, 0.0), rid))
+    victim = max(blocked, key=lambda r: (held(r, True), held(r, False), when.get(r, 0.0), r))
+    if victim != subject or not held(subject, False):
+        return None
     if victim != subject or not held(subject, False):
         return None
     holding = sorted(rid for rid in blocked - {subject} if any(rid in h for _, h in holds))
