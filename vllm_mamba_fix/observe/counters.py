@@ -1,8 +1,5 @@
-"""Per-process counters of corrections, and their log lines.
-
-The counts, the requests logged, the stalls standing and the sender's state are the
-session's (:class:`Tally`): ``unregister()`` forgets them. Log lines carry request ids and
-token counts only, never prompt content.
+"""Per-process counters of corrections, and their log lines (request ids and token counts,
+never prompt content). What it remembers is the session's (:class:`Tally`).
 """
 
 from __future__ import annotations
@@ -55,12 +52,9 @@ ACTION_KEYS: dict[Action, str] = {
 }
 # The rule whose correction each action is (a log field).
 ACTION_RULES: dict[Action, str] = {
-    Action.COLLAPSE_PREVENTED: Rule.SPLIT.value,
-    Action.REALIGNED: Rule.SPLIT.value,
-    Action.STOPPED_AT_ENCODER_INPUT: Rule.SPLIT.value,
+    **dict.fromkeys(ACTION_KEYS, Rule.SPLIT.value),
     Action.SPECULATIVE_STALL_RELEASED: Rule.SPECULATIVE_STALL.value,
     Action.BLOCK_ALIGNED: Rule.BLOCK_UNIT.value,
-    Action.ENCODER_REFERENCES_DROPPED: Rule.SPLIT.value,
 }
 STALL_KEYS = ("stalls_detected", "stalls_resolved", "stalls_ended")
 KEYS: tuple[str, ...] = (*ACTION_KEYS.values(), *STALL_KEYS)
@@ -80,18 +74,14 @@ class Tally:
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEYS, 0))
     logged_requests: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    # The stalls standing now: request id -> wall-clock start of its stall (its first 0), from
-    # the watchdog's naming until it moves again, is ended, or finishes otherwise (freed).
+    # Named stalls standing now: request id -> wall-clock start (its first 0), until it moves,
+    # is ended or freed.
     standing: dict[str, float] = field(default_factory=dict)
-    # Corrections counted and not yet sent to metrics (send_counts; the update_from_output
-    # wrapper sends them at the end of the step that counted them), the process whose timer
-    # will send them (None: no timer pending; none where steps send), whose exit sends the
-    # rest, and whose exit logs the summary.
-    unsent: dict[str, int] = field(default_factory=dict)
-    sender_pid: int | None = None
+    unsent: dict[str, int] = field(default_factory=dict)  # counted, not yet sent to metrics
+    sender_pid: int | None = None  # the process whose timer will send them (None: none pending)
     step_sender_pid: int | None = None  # the process whose steps end with a send (no timer)
-    finalizer_pid: int | None = None
-    summary_pid: int | None = None
+    finalizer_pid: int | None = None  # whose exit sends the rest
+    summary_pid: int | None = None  # whose exit logs the summary
 
 
 def stats() -> dict[str, int]:
@@ -108,9 +98,8 @@ def _count(key: str) -> None:
 
 
 def record(action: Action, request_id: str, start: int, num_tokens: int, block_size: int) -> None:
-    """A correction: counted now, sent to metrics at the end of its step (else within
-    :data:`SEND_SECONDS`; a split call that corrects never writes a metrics file), logged once
-    per request at INFO."""
+    """A correction: counted now, sent to metrics at its step's end (else within
+    :data:`SEND_SECONDS`: a correcting split never writes a file), logged once per request."""
     key = ACTION_KEYS[action]
     totals = None
     tally = installation.memory[Tally]
@@ -145,11 +134,8 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
 
 
 def _send_soon(tally: Tally) -> None:
-    """Send the corrections counted from now on within :data:`SEND_SECONDS`. Holds ``_lock``.
-
-    One timer thread at a time per process (a forked child starts its own); what is unsent
-    at exit is sent by a finalizer, which multiprocessing runs in an engine core too.
-    """
+    """Send what is counted from now on within :data:`SEND_SECONDS` (one timer thread at a
+    time per process; a finalizer sends the rest at exit). Holds ``_lock``."""
     tally.sender_pid = os.getpid()
     timer = threading.Timer(SEND_SECONDS, _timer_ends, (tally,))
     timer.daemon = True
@@ -180,9 +166,8 @@ def _timer_ends(tally: Tally) -> None:
 
 
 def step_ends() -> None:
-    """The end of a scheduler step (the update_from_output wrapper): the step's corrections
-    are sent before its outputs, and this process's counts need no timer thread from now on
-    (one thread start a second cost an engaged step about 1%)."""
+    """The end of a scheduler step: its corrections are sent before its outputs, and this
+    process needs no timer thread from now on (one a second cost an engaged step about 1%)."""
     tally = installation.memory[Tally]
     tally.step_sender_pid = os.getpid()
     if tally.unsent:
@@ -190,8 +175,7 @@ def step_ends() -> None:
 
 
 def send_counts() -> None:
-    """Send the corrections counted since the last send to metrics (the timer's, the end of a
-    step's, at exit, and tests that read metrics at once). Cheap when none. Never raises."""
+    """Send the corrections not sent yet (timer, step, exit, tests). Never raises."""
     tally = installation.memory[Tally]
     if tally.unsent:
         _send(tally)
@@ -280,24 +264,14 @@ def log_summary() -> None:
             "vllm-mamba-fix: this process prevented %d collapses, re-aligned %d chunks, "
             "stopped %d chunks at an encoder input, released %d speculative stalls, aligned %d "
             "chunks to the cache's block, named %d stalls (%d moved again) and ended %d",
-            counts["collapses_prevented"],
-            counts["chunks_realigned"],
-            counts["chunks_stopped_at_encoder_input"],
-            counts["speculative_stalls_released"],
-            counts["block_rule_chunks"],
-            counts["stalls_detected"],
-            counts["stalls_resolved"],
-            counts["stalls_ended"],
+            *(counts[key] for key in KEYS if key != "encoder_references_dropped"),  # in order
             extra=fields("summary", counts=counts),
         )
 
 
 def register_shutdown_summary() -> None:
-    """Log the summary and send the counts left at exit, in engine-core subprocesses too.
-
-    multiprocessing's finalizers run both at interpreter exit and when a
-    multiprocessing child ends (where ``atexit`` does not run after a fork).
-    """
+    """Log the summary and send the counts left at exit, in engine-core subprocesses too
+    (multiprocessing's finalizers run where ``atexit`` does not after a fork)."""
     tally = installation.memory[Tally]
     with _lock:
         if tally.summary_pid == os.getpid():

@@ -1,32 +1,14 @@
 """The plugin's series at ``vllm serve``'s own ``/metrics``, as ``vllm_mamba_fix_*`` series.
 
-The counts are made in the engine core; ``/metrics`` is served by the API server, another
-process. vLLM carries no figure of a plugin between them (``SchedulerStats`` has fixed fields),
-so the values travel the way vLLM's own API servers share theirs: prometheus_client's
-multiprocess files. Every release 0.15-0.34 serves ``/metrics`` from
-``vllm.v1.metrics.prometheus.get_prometheus_registry()``:
-
-- ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM sets it for ``--api-server-count`` > 1, which is the
-  default under data parallelism; or the user did): a ``MultiProcessCollector`` over that
-  directory. The engine core writes its files there.
-- unset (one API server, the default): the global ``REGISTRY`` of the API server process.
-  :func:`attach`, run by ``register()`` in a process that multiprocessing did not start (the
-  API server; never an engine core or a worker), adds a collector to ``REGISTRY`` and names
-  a private directory to the engine cores it starts (:data:`ENV_DIR`); the first engine core
-  that counts makes it. Values made in the serving process itself (an engine in the same
-  process) stay in memory, so that process writes no file. The collector, the variable and
-  the directory's removal at exit are changes recorded in
-  :data:`vllm_mamba_fix.changes.installation`: ``unregister()`` takes all three back. What
-  this module remembers (the writer, the engine core's labels, the sweep's pid) is that
-  session's too (:class:`Exported`), forgotten by ``unregister()``.
-
-The series, their labels (vLLM's ``model_name`` and ``engine``) and gauge mode: series.py;
-the files and the reader: metrics_store.py. :func:`prepare` runs when the engine core builds
-its scheduler: it learns the labels there and makes every series (counters at 0, the info
-series, the block sizes, the stall gauges). A non-hybrid model's engine core prepares nothing
-(no directory, no series); a killed server's private directory is removed when the next one
-starts (metrics_sweep.py). No server, no port. prometheus_client comes with vLLM but is
-imported lazily: without it nothing is exported here and one line says so.
+The counts are made in the engine core and ``/metrics`` is served by the API server; vLLM
+carries no plugin figure between them, so the values travel as vLLM's own API servers share
+theirs: prometheus_client's multiprocess files (every release 0.15-0.34 serves
+``get_prometheus_registry()``). With ``PROMETHEUS_MULTIPROC_DIR`` set (``--api-server-count``
+> 1, or the user), the engine core writes its files there. Unset, :func:`attach` (in the API
+server) adds a collector to ``REGISTRY`` and names a private directory to the engine cores
+(:data:`ENV_DIR`), made by the first that counts and removed at exit. Those three are recorded
+changes; what this module remembers is the session's (:class:`Exported`). prometheus_client
+is imported lazily: without it, one line says so.
 """
 
 from __future__ import annotations
@@ -88,9 +70,8 @@ class Exported:
     local: Local | None = None  # set in the process whose REGISTRY serves the values
     off_pid: int | None = None  # the process where opening the writer failed
     swept_pid: int | None = None  # the process that swept old directories (once per process)
-    # This process's engine core: vLLM's model_name and engine labels, learnt by
-    # prepare(scheduler); gauges are written only where it ran (an engine core), never in
-    # doctor or the API server.
+    # vLLM's model_name and engine labels, learnt by prepare(scheduler) in an engine core;
+    # gauges are written only where it ran (never in doctor or the API server).
     identity: Labels = ()
     identity_pid: int | None = None
     collector: Collector | None = None  # the one this process registered
@@ -121,12 +102,9 @@ def _private_directory(path: str) -> str:
 
 
 def _sink_here() -> Writer | Local | None:
-    """Where this process counts, chosen on first use; a forked child chooses again.
-
-    Holds ``_lock``. vLLM's ``PROMETHEUS_MULTIPROC_DIR`` first; then this process's own
-    counts if it serves them; then the directory an API server handed down; else this
-    process serves its own (an engine in a process no API server started).
-    """
+    """Where this process counts, chosen on first use (a forked child chooses again); holds
+    ``_lock``: ``PROMETHEUS_MULTIPROC_DIR``, else its own served counts, else the directory an
+    API server handed down, else it serves its own (an engine no API server started)."""
     mem = installation.memory[Exported]
     pid = os.getpid()
     if mem.writer is not None and mem.writer.pid == pid:
@@ -136,12 +114,9 @@ def _sink_here() -> Writer | Local | None:
     mem.writer, mem.off_pid = None, pid
     found = _import_prometheus()
     if isinstance(found, Exception):
-        say_once(
-            logging.INFO,
-            "prometheus_client is not importable (%s); the counts are in the log lines only",
-            f"{type(found).__name__}: {found}",
-            event=None,
-        )
+        why = f"{type(found).__name__}: {found}"
+        line = "prometheus_client is not importable (%s); the counts are in the log lines only"
+        say_once(logging.INFO, line, why, event=None)
         return None
     shared, private = directories()
     if shared and os.path.isdir(shared):
@@ -186,12 +161,9 @@ def _set(series: Series, value: float, extra: Labels = ()) -> None:
 
 
 def stalls(standing: int, oldest_start: float) -> None:
-    """The live stall gauges: requests named and not moved or ended, the oldest one's start.
-
-    A start time, not an age: a file-based registry cannot compute at scrape time, and an age
-    written at each change would stand still between changes. ``time() - x`` in PromQL is the
-    age at any scrape (docs/deployment.md). Never raises.
-    """
+    """The live stall gauges: named stalls standing, the oldest one's start. A start, not an
+    age: a file cannot compute at scrape time; ``time() - x`` in PromQL is the age
+    (docs/deployment.md). Never raises."""
     try:
         _set(STALLED, standing)
         _set(OLDEST_STALL, oldest_start if standing else 0.0)
@@ -213,14 +185,10 @@ def prepare(
     info: Mapping[str, str] | None = None,
     standing: tuple[int, float] = (0, 0.0),
 ) -> None:
-    """Create every series, so ``increase()`` and ``absent()`` see them before the first count.
-
-    Called when the engine core builds ``scheduler``: its ``vllm_config`` gives the series
-    vLLM's ``model_name`` and ``engine`` labels (:func:`prepare_engine`). Not for a scheduler
-    without Mamba KV cache groups (a non-hybrid model): vLLM never calls the split there, so
-    the plugin has nothing to count, and the engine core makes no directory and no series.
-    Without a scheduler: the counters at 0, unlabelled. Never raises.
-    """
+    """Create every series, so ``increase()`` and ``absent()`` see them before the first count,
+    labelled from ``scheduler``'s ``vllm_config`` (:func:`prepare_engine`). None for a
+    scheduler without Mamba KV cache groups (vLLM never calls the split: no directory, no
+    series); without a scheduler, the counters at 0, unlabelled. Never raises."""
     try:
         if scheduler is not None:
             unit = blocks.unit_of_scheduler(scheduler)
@@ -258,14 +226,9 @@ def prepare_engine(
 
 
 def attach() -> None:
-    """In the process that serves ``/metrics``: read the engine cores' counts there.
-
-    Called by ``register()`` in every process; acts only where multiprocessing did not start
-    the process (the API server): engine cores and workers are multiprocessing children and
-    inherit :data:`ENV_DIR` from it. A value inherited by the API server itself (a program
-    that loaded the plugin and then ran ``vllm serve``) is replaced. Writes no file: the
-    directory is made by the first engine core that counts. First, once per process, removes
-    the private directories of serving processes that are gone. Never raises.
+    """In the process that serves ``/metrics`` (not a multiprocessing child: the API server),
+    read the engine cores' counts, which inherit :data:`ENV_DIR` (an inherited value is
+    replaced). First, once per process, sweeps the directories of gone servers. Never raises.
     """
     try:
         if multiprocessing.parent_process() is not None:
@@ -302,10 +265,7 @@ def _warn_once(message: str, *args: Any) -> None:
 
 def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str | None) -> Any:
     """A collector in this process's REGISTRY; counts made here stay in memory. Holds ``_lock``.
-
-    Returns the directory it reads for ``attach`` (made later, by an engine core), or the
-    in-memory sink for a process that counts without one.
-    """
+    Returns the directory it reads for ``attach``, or the in-memory sink."""
     mem = installation.memory[Exported]
     if mem.collector is None:
         registry = found[0].REGISTRY
@@ -348,29 +308,18 @@ def _remove_now(remove: Any, directory: str) -> None:
 
 
 def support() -> Support:
-    """Whether counts made in the engine core reach ``vllm serve``'s ``/metrics``, and why not.
-
-    For doctor, which runs in a process of its own: it checks what the API server and the
-    engine core will need. Never raises.
-    """
+    """Whether counts made in the engine core reach ``vllm serve``'s ``/metrics``, and why not
+    (for doctor, in a process of its own). Never raises."""
+    instead = "alert on the log lines instead (docs/deployment.md)"
     try:
         found = _import_prometheus()
         if isinstance(found, Exception):
-            return Support(
-                False,
-                f"prometheus_client is not importable ({type(found).__name__}: {found}); "
-                "alert on the log lines instead (docs/deployment.md)",
-            )
+            why = f"{type(found).__name__}: {found}"
+            return Support(False, f"prometheus_client is not importable ({why}); {instead}")
         _, mmap_dict, multiprocess = found
-        missing = [
-            name
-            for module, name in (
-                (mmap_dict, "MmapedDict"),
-                (mmap_dict, "mmap_key"),
-                (multiprocess, "MultiProcessCollector"),
-            )
-            if not hasattr(module, name)
-        ]
+        wanted = ((mmap_dict, "MmapedDict"), (mmap_dict, "mmap_key"),
+                  (multiprocess, "MultiProcessCollector"))  # fmt: skip
+        missing = [name for module, name in wanted if not hasattr(module, name)]
         if missing:
             return Support(False, f"this prometheus_client lacks {', '.join(missing)}")
         try:
@@ -379,18 +328,15 @@ def support() -> Support:
             return Support(
                 False,
                 "this vLLM has no vllm.v1.metrics.prometheus.get_prometheus_registry "
-                f"({type(exc).__name__}); alert on the log lines instead (docs/deployment.md)",
+                f"({type(exc).__name__}); {instead}",
             )
         where = directories()[0]
-        route = (
-            f"through PROMETHEUS_MULTIPROC_DIR={where}"
-            if where
-            else "through a private directory the API server reads"
-        )
+        private = "a private directory the API server reads"
+        route = f"PROMETHEUS_MULTIPROC_DIR={where}" if where else private
         return Support(
             True,
-            f"vllm_mamba_fix_* counters at vllm serve's /metrics, {route}; engine cores on "
-            "other hosts or in Ray actors keep theirs to their logs",
+            f"vllm_mamba_fix_* counters at vllm serve's /metrics, through {route}; engine cores "
+            "on other hosts or in Ray actors keep theirs to their logs",
         )
     except Exception as exc:
         return Support(False, f"cannot tell ({type(exc).__name__}: {exc})")

@@ -1,16 +1,11 @@
 """Where :mod:`vllm_mamba_fix.observe.metrics` keeps the values, and how the API server reads them.
 
-- :class:`Writer`: an engine core's two files in prometheus_client's multiprocess format
-  (``MmapedDict``), ``counter_vllm-mamba-fix-<pid>.db`` and
-  ``gauge_mostrecent_vllm-mamba-fix-<pid>.db``: names of their own, so they never share a file
-  with a metric prometheus_client keeps in the same process; the prefix is the type and gauge
-  mode ``MultiProcessCollector`` reads. The gauge file is removed when its process exits
-  (what ``mark_process_dead`` does for prometheus_client's ``live*`` gauges).
+- :class:`Writer`: an engine core's counter and gauge files in prometheus_client's multiprocess
+  format, named for the plugin (never shared with another metric of the process); the gauge
+  file is removed at exit, as ``mark_process_dead`` does for ``live*`` gauges.
 - :class:`Local`: the values of the process that serves them (an engine in the API server).
 - :class:`Collector`: the API server's reader of a private directory plus :class:`Local`, with
-  ``MultiProcessCollector``'s semantics (counters summed, gauges the most recent per label
-  set), so both routes of metrics.py serve the same text. A gauge file whose process is gone
-  (killed before its exit removed it) is skipped: a dead engine core's gauges do not linger.
+  ``MultiProcessCollector``'s semantics; a dead process's gauge file is skipped.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """The private metrics directories of serving processes that are gone, removed at start.
 
-:func:`vllm_mamba_fix.observe.metrics.attach` names one private directory per serving process (an
-API server) in the temporary directory; its first engine core makes it, and the serving
-process removes it at exit. A SIGKILL or an unhandled SIGTERM skips that, so such a run
-left its directory behind. The next serving process to start removes those, and only
-those:
+Each API server's directory (:func:`vllm_mamba_fix.observe.metrics.attach`) is removed at its
+exit; a SIGKILL skips that. The next server to start removes those left, and only those:
 
-- named as :func:`directory_name` names them, with this host's boot and this process's pid
-  namespace: only there does the pid in the name mean what it means here. A temporary
-  directory may be shared between containers (each its own pid namespace) or between hosts
-  (a network file system, where every host's initial namespace has the same inode: the boot
-  id tells them apart). 0.4.0's names (``<pid>-<token>``), the earlier development names
-  without a boot (``<pid>-<start>-<namespace>-<token>``), and names with an unknown (0)
-  namespace or boot prove neither, so they are never removed;
+- named by :func:`directory_name` with this host's boot and this pid namespace, where the pid
+  in the name means what it means here (a temporary directory may be shared between
+  containers or hosts); older names, or an unknown (0) namespace or boot, prove neither;
 - a real directory (not a symlink), owned by this user;
-- whose serving process is gone: its pid names no process, a zombie, or a process that
-  started at another time than the one in the name (the pid was reused);
-- holding nothing but the plugin's counter files, each of a writer (an engine core) that
-  no longer runs.
+- whose serving process is gone (no process, a zombie, or the pid reused: another start);
+- holding only the plugin's counter files, each of a writer that no longer runs.
 
-A process that cannot read its own pid namespace and boot (no ``/proc``, or a ``/proc`` of
-another namespace, whose pids are not its own) removes nothing, and says so in one line.
-Where any of it cannot be told, the directory stays. ``PROMETHEUS_MULTIPROC_DIR`` is never
-looked into: vLLM and the user own it, and a dead process's counter file there is part of
-the counters' totals (prometheus_client's multiprocess mode). Never raises.
+A process that cannot read its own pid namespace and boot removes nothing, and says so.
+``PROMETHEUS_MULTIPROC_DIR`` is never looked into (a dead process's counter file there is
+part of the totals). Never raises.
 """
 
 from __future__ import annotations
@@ -65,11 +54,8 @@ def _start_ticks(pid: int) -> int | None:
 
 
 def _pid_namespace() -> int:
-    """This process's pid namespace (0: unknown); only where ``/proc`` shows this namespace.
-
-    ``NSpid`` lists a process's pid in each namespace from the one ``/proc`` was mounted in
-    down to its own: one entry, our own pid, only in a ``/proc`` of our namespace.
-    """
+    """This process's pid namespace (0: unknown), only where ``/proc`` is of this namespace:
+    ``NSpid`` then lists one pid, our own."""
     try:
         with open(f"{_PROC}/self/status") as fh:
             nspid = next((line.split()[1:] for line in fh if line.startswith("NSpid:")), None)
@@ -125,11 +111,6 @@ def _only_gone_writers(path: str) -> bool:
     return True
 
 
-def _is_ours(path: str) -> bool:
-    info = os.lstat(path)
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
-
-
 def sweep(keep: Iterable[str | None] = (), directory: str | None = None) -> list[str]:
     """Remove the directories of gone serving processes; the paths removed. Never raises."""
     try:
@@ -164,7 +145,8 @@ def _sweep(keep: Iterable[str | None], directory: str) -> list[str]:
             continue
         pid, start = int(match.group(1)), int(match.group(2))
         try:
-            if pid == os.getpid() or not _is_ours(path):
+            info = None if pid == os.getpid() else os.lstat(path)
+            if info is None or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
                 continue
             if not _gone(pid, start or None) or not _only_gone_writers(path):
                 continue
@@ -177,13 +159,11 @@ def _sweep(keep: Iterable[str | None], directory: str) -> list[str]:
         logger.debug(
             "vllm-mamba-fix: %d metrics directories not judged (another host boot or pid "
             "namespace, or an older name); remove them by hand once their servers are gone: %s",
-            len(unjudged),
-            ", ".join(sorted(unjudged)),
-        )
+            len(unjudged), ", ".join(sorted(unjudged)),
+        )  # fmt: skip
     if removed:
         logger.debug(
             "vllm-mamba-fix: removed %d metrics directories of exited processes: %s",
-            len(removed),
-            ", ".join(removed),
-        )
+            len(removed), ", ".join(removed),
+        )  # fmt: skip
     return removed

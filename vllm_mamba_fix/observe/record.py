@@ -1,9 +1,6 @@
-"""The typed record of what the plugin installed, per scheduler class.
-
-Written when a scheduler is built (and by doctor's dry run); the active line,
-:func:`vllm_mamba_fix.stats` and doctor all read it, so none of them parses log text.
-What the plugin knows, not what it changed (that is :mod:`vllm_mamba_fix.changes`):
-``unregister()`` forgets it after undoing the changes.
+"""The typed record of what the plugin installed, per scheduler class: written when a
+scheduler is built (and by doctor's dry run), read by the active line, :func:`vllm_mamba_fix.stats`
+and doctor, so none of them parses log text. The session's memory (:class:`Records`).
 """
 
 from __future__ import annotations

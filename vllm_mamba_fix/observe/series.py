@@ -1,17 +1,10 @@
 """The plugin's series at ``/metrics``: names, help texts, and the labels vLLM's own carry.
 
 Every series carries vLLM's ``model_name`` and ``engine`` labels with vLLM's values
-(``vllm/v1/metrics/loggers.py``, 0.15-0.34: ``model_name`` is
-``model_config.served_model_name``, ``engine`` the engine index), so ``sum by (model_name)``
-and joins with ``vllm:num_requests_running{model_name,engine}`` work. The engine core reads
-them from its scheduler's ``vllm_config`` (:func:`identity`): its engine index is the DP rank,
-``parallel_config.data_parallel_index`` (set in every engine-core process, mp or Ray; vLLM
-resets ``data_parallel_rank`` to 0 for a non-MoE model's ranks).
-
-Counters are summed across processes (one engine core per label set, so a total over all labels
-is the sum it was before the labels). Gauges are prometheus_client's ``mostrecent``, as vLLM's
-own gauges and ``vllm:cache_config_info``: the latest value per label set wins, so a file an
-earlier run left in a ``PROMETHEUS_MULTIPROC_DIR`` nobody wiped does not add to today's.
+(``vllm/v1/metrics/loggers.py``), so joins with ``vllm:num_requests_running`` work; the engine
+index is ``parallel_config.data_parallel_index`` (vLLM resets ``data_parallel_rank`` to 0 for
+a non-MoE model). Counters are summed across processes; gauges are ``mostrecent``, as vLLM's,
+so a file an earlier run left in an unwiped ``PROMETHEUS_MULTIPROC_DIR`` does not add up.
 """
 
 from __future__ import annotations
@@ -120,11 +113,8 @@ def with_labels(series: Series, extra: Labels) -> Labels:
 
 
 def info_labels(found: Any, settings: Any, vllm_version: str) -> dict[str, str]:
-    """The info series' own labels: versions, the rules that run, the settings that shape them.
-
-    ``found`` is the scheduler class's record (record.ClassRecord, None if unrecorded),
-    ``settings`` the plugin's (facts.config.Settings).
-    """
+    """The info series' own labels: versions, the rules that run, the settings that shape them
+    (``found``: the class's record.ClassRecord, None if unrecorded)."""
 
     def seconds(value: float | None) -> str:
         return "off" if value is None else f"{value:g}"
