@@ -10,26 +10,18 @@
 # Removed:  when vLLM fixes #54076; pinning --block-size to the cache's block leaves it idle.
 """The block-unit rule: engaged once per scheduler, nothing of its own per call.
 
-When it applies: a scheduler whose Mamba KV cache stores another block than
-``cache_config.block_size``. What it does, once, when the scheduler is settled
-(:mod:`vllm_mamba_fix.rules.split_settle`): that scheduler, only it, gets a view of its
-``cache_config`` whose ``block_size`` is the cache's block (:func:`view_for`), through the
-record of changes (``unregister()`` puts the scheduler's own back). In every release read
-(0.15-0.34) the split is the only reader of ``self.cache_config.block_size`` in the
-scheduler, so every split call then floors in the cache's block by itself: the chunk is the
-one vLLM schedules with ``--block-size`` pinned to it, at the cost of any call, with no
-per-call swap and no second call. Per call it only counts, on the split's slow path (a chunk
-vLLM cut), a chunk the configured block would have ended elsewhere
-(:func:`vllm_mamba_fix.decide.decision.configured_floor_differs`).
+Where a scheduler's Mamba KV cache stores another block than ``cache_config.block_size``, it
+gets, once, a view of its ``cache_config`` with the cache's block (:func:`view_for`), through
+the record of changes. In every release read (0.15-0.34) the split is the scheduler's only
+reader of ``self.cache_config.block_size``, so every split then floors in the cache's block:
+the chunk vLLM schedules with ``--block-size`` pinned to it, with no per-call swap. Per call it
+only counts, on the slow path, a chunk the configured block would have ended elsewhere.
 
-One case keeps the configured block: where the cache's block is longer than any chunk the
-split is ever asked for (``starved``), a split floored in it returns 0 for every chunk but a
-prompt's last on 0.15-0.26, forever (pinned stock hangs there), and advances sub-block on 0.27+
-(chunks that can take more steps than stock's right ones). There vLLM's configured answer,
-stopped at the next cache boundary (:func:`stop_at_cache_boundary`), is the chunk: stock's
-wherever stock's is right, never 0 where stock gives more; a chunk asked past the cache's block
-(0.34 asks past the threshold) is vLLM's asked through the view (:func:`asked_through`). No
-vLLM import.
+Where the cache's block is longer than any chunk the split is asked (``starved``), a split
+floored in it returns 0 for all but a prompt's last chunk on 0.15-0.26 (pinned stock hangs)
+and advances sub-block on 0.27+; there vLLM's configured answer, stopped at the next cache
+boundary (:func:`stop_at_cache_boundary`), is the chunk, and one asked past the cache's block
+(0.34) is asked through the view (:func:`asked_through`). No vLLM import.
 """
 
 from __future__ import annotations
@@ -43,13 +35,9 @@ from vllm_mamba_fix.facts.blocks import CACHE_CONFIG_ATTR, BlockUnit, CacheConfi
 from vllm_mamba_fix.facts.config import ENV_BLOCK_RULE
 
 
-def view_for(
-    scheduler: Any, unit: BlockUnit, block_rule: bool, starved: bool
-) -> CacheConfigView | None:
+def view_for(scheduler: Any, unit: BlockUnit, block_rule: bool) -> CacheConfigView | None:
     """The view of ``scheduler``'s ``cache_config`` with the cache's block, where the sizes
-    differ and the rule is on; one log line either way. split_settle.py gives it to the
-    scheduler through the record of changes, except where ``starved`` (there the view only
-    answers a chunk asked past the cache's block, :func:`asked_through`). None: no view."""
+    differ and the rule is on (None: no view); one log line either way."""
     name = f"{type(scheduler).__module__}.{type(scheduler).__qualname__}"
     sizes = {"scheduler_class": name, "block": unit.mamba, "configured_block": unit.configured}
     current = vars(scheduler).get(CACHE_CONFIG_ATTR)

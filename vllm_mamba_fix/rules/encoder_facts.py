@@ -1,15 +1,7 @@
-"""What a request's encoder inputs need, read from the scheduler: the proofs that a 0 can
-never clear.
-
-:func:`own_inputs_proof`: its own inputs never fit, whatever other requests do. Both the
-split rule (is this encoder cut a wait, or the request's own deadlock?) and the watchdog's
-stall end ask it. :func:`cross_hold_proof`: stalled requests hold the encoder cache space
-each other needs (the stall end only). :func:`stalled_inputs`: whether a 0 is the
-speculative stall (the speculative-stall rule's release, and the watchdog's cause). Reads
-vLLM's objects, imports no vLLM; the arithmetic is
-:func:`vllm_mamba_fix.decide.stalls.own_inputs_block`'s,
-:func:`vllm_mamba_fix.decide.stalls.cross_hold_block`'s and
-:func:`vllm_mamba_fix.decide.decision.speculative_stall_release`'s.
+"""What a request's encoder inputs need, read from the scheduler: the proofs that a 0 never
+clears (:func:`own_inputs_proof`: its own inputs never fit, whatever others do;
+:func:`cross_hold_proof`: stalled requests hold the space each other needs), and whether a 0 is
+the speculative stall (:func:`stalled_inputs`). The arithmetic is ``decide/``'s; no vLLM import.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-# Carrier of: speculative-stall (rules/speculative_stall.py), the split rule's ear
-#             (rules/encoder_cut.py).
+# Carrier of: speculative-stall (rules/speculative_stall.py) and the split rule's ear.
 """The wrapper of ``Scheduler._try_schedule_encoder_inputs``: the carrier of the
-speculative-stall rule (:mod:`vllm_mamba_fix.rules.speculative_stall`), and the split rule's
-ear: every call's answer is noted for the split that vLLM asks next
-(:mod:`vllm_mamba_fix.rules.encoder_cut`). The watchdog hears nothing here: it looks once per
-step from ``update_from_output`` (:mod:`vllm_mamba_fix.rules.stall_watch`).
-
-Per call: vLLM's answer; a result with tokens returns after a dict check (and ends a streak of
-0s the request had); a result of 0 tokens of an in-scope request is counted, for the
-speculative-stall rule's repeat, where that rule runs.
+speculative-stall rule, and the split rule's ear (every answer is noted for the split vLLM asks
+next, :mod:`vllm_mamba_fix.rules.encoder_cut`). Per call: a result with tokens returns after a
+dict check (ending the request's streak of 0s); a 0 of an in-scope request is counted for the
+rule's repeat, where that rule runs.
 """
 
 from __future__ import annotations
@@ -53,14 +48,8 @@ def make_encoder_wrapper(
         encoder_compute_budget: int,
         shift_computed_tokens: int = 0,
     ) -> EncoderResult:
-        result = original(
-            self,
-            request,
-            num_computed_tokens,
-            num_new_tokens,
-            encoder_compute_budget,
-            shift_computed_tokens,
-        )
+        result = original(self, request, num_computed_tokens, num_new_tokens,
+                          encoder_compute_budget, shift_computed_tokens)  # fmt: skip
         try:
             if not result[1] and num_new_tokens:
                 if on_zero is not None:

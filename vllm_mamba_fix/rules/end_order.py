@@ -1,11 +1,10 @@
 """The order the watchdog leaves for the stall end, and whether a scheduler can carry one out.
 
-The data flows one way: the encoder-input check and the split tell the watchdog of their 0s,
-the watchdog orders the end of a proven stall (:mod:`vllm_mamba_fix.rules.stall_watch` calls
-:func:`order_end`), and the stall end takes the orders at the safe point
-(:mod:`vllm_mamba_fix.rules.stall_end` calls :func:`take_orders`). Both import this module;
-neither imports the other. The orders are the session's (:class:`Orders`), per scheduler and
-weakly, never on the scheduler's attributes. Reads vLLM's types only inside :func:`support`.
+The watchdog orders the end of a proven stall (:func:`order_end`, from
+:mod:`vllm_mamba_fix.rules.stall_watch`) and the stall end takes the orders at the safe point
+(:func:`take_orders`, from :mod:`vllm_mamba_fix.rules.stall_end`); neither imports the other.
+The orders are the session's (:class:`Orders`), per scheduler weakly. vLLM's types are read
+only inside :func:`support`.
 """
 
 from __future__ import annotations

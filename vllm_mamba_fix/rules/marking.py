@@ -1,9 +1,6 @@
-"""How every wrapper of the plugin is finished: it looks like what it wraps, and says it is ours.
-
-``marked(wrapper, original, marker)`` copies the original's name, docstring and module
-(``functools.update_wrapper``, which also leaves it reachable as ``__wrapped__``) and sets the
-plugin's marker (:data:`vllm_mamba_fix.facts.targets.MARKER`) to what the wrapper carries, which
-patch, the record and doctor read. Only the plugin's own function objects are touched.
+"""How every wrapper is finished: it looks like what it wraps (``functools.update_wrapper``,
+``__wrapped__`` included) and carries the plugin's marker (``targets.MARKER``) set to what it
+carries, which patch, the record and doctor read.
 """
 
 from __future__ import annotations

@@ -11,15 +11,12 @@
 # Removed:  0.33.0 frees without the delay and cuts without the shift: the rule goes with the
 #           last supported 0.32. Its carrier, rules/encoder_wrapper.py, stays the split
 #           rule's ear (rules/encoder_cut.py) while that rule runs.
-"""The speculative-stall rule, per 0 of the encoder-input check (its carrier:
-:mod:`vllm_mamba_fix.rules.encoder_wrapper`).
-
-When it applies: the check gave 0 tokens twice at the same position of an in-scope request,
-and either the inputs it holds keep the shifted cut from passing the next one
-(:func:`vllm_mamba_fix.decide.decision.speculative_stall_release`) or two uncached inputs sit
-within the drafter's shift (:func:`vllm_mamba_fix.decide.decision.unshifted_cut_needed`).
-What it does: frees the held inputs the request is past, through vLLM's own path, and asks the
-check again without the shift; a retry that gives tokens is the answer. No vLLM import.
+"""The speculative-stall rule, per 0 of the encoder-input check (carried by
+:mod:`vllm_mamba_fix.rules.encoder_wrapper`): where the check gave 0 twice at the same position
+of an in-scope request and its held inputs keep the shifted cut from passing the next one, or
+two uncached inputs sit within the shift (``encoder_facts.stalled_inputs``), it frees the held
+inputs the request is past, through vLLM's own path, and asks the check again without the
+shift; a retry that gives tokens is the answer. No vLLM import.
 """
 
 from __future__ import annotations

@@ -4,36 +4,21 @@
 #           a chunk cut short before an image to 0 tokens on every step. Upstream fixed the
 #           order in vLLM #51603 ("Apply Mamba alignment before encoder caps", 0.28.0).
 # Runs on:  0.15.0-0.27.1; on 0.28+ only under a scheduler whose own schedule() keeps the old
-#           order (a platform's, or a build without #51603). This module is also the split
-#           method's wrapper, the carrier of the block-unit rule (rules/block_unit.py); the
-#           encoder check's wrapper tells it which chunks that check cut (rules/encoder_cut.py).
-#           Answers to upstream 0.28.0: what 0.28 completes, the rule completes, with 0.28's
-#           chunks.
+#           order (a platform's, or a build without #51603); what 0.28 completes, the rule
+#           completes, with 0.28's chunks. Its wrapper carries the block-unit rule too.
 # Decided:  by the scheduler class's own code (facts/evidence.py: split after encoder
 #           budgeting), by the version where the code cannot tell (decide/policy.py:
 #           split_verdict); VLLM_MAMBA_FIX=force installs it on any release.
 # Removed:  once the oldest supported release has #51603 and no supported scheduler budgets
 #           encoder inputs before the split.
-"""The split method's wrapper and the split rule, top to bottom.
-
-1. :class:`WrapOptions` (kept in :mod:`~vllm_mamba_fix.rules.split_settle`): which rules a
-   built wrapper carries.
-2. Per scheduler, once: its :class:`~vllm_mamba_fix.facts.blocks.SplitState`, settled at its
-   first split (:mod:`vllm_mamba_fix.rules.split_settle`, which also gives it the block-unit
-   rule's view of ``cache_config``).
-3. Per call (:func:`make_wrapper`): vLLM's answer, returned at once where the scheduler is
-   quiet or no whole chunk can cross a boundary (every decode, most prefill chunks).
-4. The rest, one :class:`SplitCall`, meets :meth:`SplitRule.look`: the block-unit rule's
-   count (its stop where ``starved``), a 0 out of scope returned as it is, else
-   :meth:`SplitRule.correct` (``decide()`` on plain numbers, the correction counted); the
-   scheduler reads of issue 44 item 4 are :func:`tail_frees_room_at`,
-   :func:`eagle_remainder_waits` and :mod:`vllm_mamba_fix.rules.split_reads`.
-
-The fast-path predicates are :func:`~vllm_mamba_fix.decide.decision.can_need_correction`
-and :func:`~vllm_mamba_fix.decide.decision.whole_chunks_may_cross`, beside ``decide()`` and
-tested against it exhaustively (tests/unit/test_decision.py). A wrapper never raises anything
-of its own into vLLM: vLLM's own exceptions propagate, the plugin's never do. No vLLM import;
-the scheduler and request are vLLM's.
+"""The split method's wrapper and the split rule, top to bottom: :class:`WrapOptions` (which
+rules a wrapper carries), the scheduler's :class:`~vllm_mamba_fix.facts.blocks.SplitState`
+settled once (:mod:`~vllm_mamba_fix.rules.split_settle`), per call vLLM's answer returned at
+once where the scheduler is quiet or no whole chunk can cross a boundary (every decode, most
+prefill chunks), and the rest, one :class:`SplitCall`, met by :meth:`SplitRule.look`: the
+block-unit rule's count, a 0 out of scope as it is, else :meth:`SplitRule.correct`
+(``decide()``, tested exhaustively in tests/unit/test_decision.py). A wrapper never raises
+anything of its own into vLLM. No vLLM import.
 """
 
 from __future__ import annotations

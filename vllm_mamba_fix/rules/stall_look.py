@@ -1,20 +1,12 @@
-"""The watchdog's look, once per step: which requests stopped, read from the step's
-``scheduler_output`` (part of the stall-watchdog rule, :mod:`vllm_mamba_fix.rules.stall_watch`).
-
-Its carrier is the ``update_from_output`` wrapper (:mod:`vllm_mamba_fix.rules.stall_end`),
-which calls the observer :func:`make_observer` builds; nothing of the watchdog runs inside the
-split or the encoder-input check; it imports not the rule's module, which the carrier hands it
-(:class:`Watching`). Per step: one read of ``stall_watch.clock`` and a compare.
-Once :data:`SAMPLE_SECONDS` passed since the scheduler's last sample (or at its first step),
-one sample (:func:`sample`): the streaks whose request moved end ("moves again" if named);
-then, if the step left at least the smallest chunk of its token budget unused
-(:func:`budget_left`: a 0 there is not a token-budget wait), each request that stopped in it
-(:func:`candidates`: running prefills not scheduled, and the waiting queue's head where the
-waiting loop ran) counts the steps since the last sample in its streak. A step that used its
-budget says nothing: no streak is counted or reset. Streaks live per scheduler, weakly
-(:class:`vllm_mamba_fix.rules.zero_streaks.ZeroStreaks`, which a request's free empties); a
-streak long enough goes to :func:`vllm_mamba_fix.rules.stall_watch.name_stall`, a named one
-to :func:`vllm_mamba_fix.rules.stall_watch.consider`. Reads the scheduler, imports no vLLM.
+"""The watchdog's look, once per step from the ``update_from_output`` wrapper
+(:mod:`vllm_mamba_fix.rules.stall_end`), which hands it the rule's module (:class:`Watching`):
+part of the stall-watchdog rule (:mod:`vllm_mamba_fix.rules.stall_watch`). Nothing of it runs
+in the split or the encoder check. Per step: one clock read and a compare. Once
+:data:`SAMPLE_SECONDS` passed, one :func:`sample`: streaks whose request moved end; then, if the
+step left the smallest chunk of its budget unused (else a 0 is a wait for budget, and nothing
+is counted or reset), each request that stopped (:func:`candidates`) counts the steps since in
+its streak, kept per scheduler weakly; a streak long enough is named, a named one considered
+for its end. Reads the scheduler, imports no vLLM.
 """
 
 from __future__ import annotations
@@ -34,6 +26,7 @@ from vllm_mamba_fix.rules.zero_streaks import ZeroStreaks
 
 # The least time between two samples of one scheduler.
 SAMPLE_SECONDS = 1.0
+_ADMITTED = ("WAITING", "PREEMPTED")  # the statuses the waiting loop takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +35,8 @@ class Watching:
 
     seconds: float  # of 0 tokens before a stall is named
     end_after: float | None  # after the naming before an end is considered; None: off
-    # The rule's module, rules/stall_watch.py (its clock, name_stall, consider,
-    # split_window_end, log_moving_again), handed by the carrier and read at each use (tests
-    # patch them): not imported, so the chain of imports from the table stays within the limit.
+    # rules/stall_watch.py, read at each use (tests patch it): not imported, so the chain of
+    # imports from the table stays within the limit.
     rule: Any
 
 
@@ -66,8 +58,7 @@ Observer = Callable[[Any, Any], None]
 
 def make_observer(watching: Watching) -> Observer:
     """The watchdog's per-step look, for the ``update_from_output`` wrapper to call with the
-    scheduler and the step's ``scheduler_output``: one clock read and a compare per step, and
-    a sample (one pass over the requests that can stop) once ``SAMPLE_SECONDS`` passed."""
+    scheduler and the step's ``scheduler_output``."""
     rule = watching.rule
 
     def observe(scheduler: Any, scheduler_output: Any) -> None:
@@ -86,32 +77,25 @@ def make_observer(watching: Watching) -> Observer:
 
 
 def sample(
-    scheduler: Any,
-    scheduler_output: Any,
-    store: ZeroStreaks,
-    now: float,
-    steps: int,
+    scheduler: Any, scheduler_output: Any, store: ZeroStreaks, now: float, steps: int,
     watching: Watching,
-) -> None:
-    """One look: the streaks that moved end; each request that stopped in a step that left
-    token budget unused counts ``steps`` 0s."""
-    _end_moved(scheduler, store, watching.rule)
-    if not budget_left(scheduler, scheduler_output):
-        return  # a step that used its budget says nothing of who waits for it
-    for request in candidates(scheduler, scheduler_output):
-        _count(scheduler, request, store, now, steps, watching)
-
-
-def _end_moved(scheduler: Any, store: ZeroStreaks, rule: Any) -> None:
-    """A streak whose request moved ends ("moves again" if named); a gone one is dropped."""
+) -> None:  # fmt: skip
+    """One look: a streak whose request moved ends ("moves again" if named; a gone one is
+    dropped); each request that stopped in a step that left token budget unused counts
+    ``steps`` 0s (a step that used its budget says nothing of who waits for it)."""
     for rid, streak in list(store.by_request.items()):
         request = scheduler.requests.get(rid)
         if request is not None and not request.is_finished():
             if start_of(scheduler, request) == streak.position:
                 continue
             if streak.warned:
-                rule.log_moving_again(rid, streak.position)
+                watching.rule.log_moving_again(rid, streak.position)
         store.clear(rid)
+    used = int(scheduler_output.total_num_scheduled_tokens)
+    if int(scheduler.max_num_scheduled_tokens) - used < least_chunk(scheduler):
+        return
+    for request in candidates(scheduler, scheduler_output):
+        _count(scheduler, request, store, now, steps, watching)
 
 
 def least_chunk(scheduler: Any) -> int:
@@ -124,12 +108,6 @@ def least_chunk(scheduler: Any) -> int:
         unit = int(scheduler.cache_config.block_size)
     longest = longest_chunk(scheduler)
     return min(unit, longest) if longest else unit
-
-
-def budget_left(scheduler: Any, scheduler_output: Any) -> bool:
-    """Whether the step left at least the smallest chunk of its token budget unused."""
-    used = int(scheduler_output.total_num_scheduled_tokens)
-    return int(scheduler.max_num_scheduled_tokens) - used >= least_chunk(scheduler)
 
 
 def start_of(scheduler: Any, request: Any) -> int:
@@ -175,30 +153,17 @@ def candidates(scheduler: Any, scheduler_output: Any) -> list[Any]:
         and not getattr(scheduler_output, "preempted_req_ids", None)
         and getattr(getattr(scheduler, "_pause_state", None), "name", "UNPAUSED") == "UNPAUSED"
     ):
-        head = _waiting_head(scheduler)
+        head = next(
+            (r for r in scheduler.waiting if not r.is_finished() and r.status.name in _ADMITTED),
+            None,
+        )  # the first the waiting loop would take (waiting or preempted)
         if head is not None and head.request_id not in scheduled and _in_prefill(head):
             found.append(head)
     return found
 
 
-def _waiting_head(scheduler: Any) -> Any:
-    """The first unfinished request the waiting loop would take (waiting or preempted)."""
-    for request in scheduler.waiting:
-        if not request.is_finished() and request.status.name in _ADMITTED:
-            return request
-    return None
-
-
-_ADMITTED = ("WAITING", "PREEMPTED")
-
-
 def _count(
-    scheduler: Any,
-    request: Any,
-    store: ZeroStreaks,
-    now: float,
-    steps: int,
-    watching: Watching,
+    scheduler: Any, request: Any, store: ZeroStreaks, now: float, steps: int, watching: Watching
 ) -> None:
     """A stop of ``request``: its streak counts; named once due, then its end considered."""
     seconds, end_after, rule = watching.seconds, watching.end_after, watching.rule

@@ -10,16 +10,12 @@
 # Removed:  with the last fix rule it watches.
 """The watchdog: naming a stall, and the stall end's decision.
 
-Its look, once per step from the ``update_from_output`` wrapper, is
-:mod:`vllm_mamba_fix.rules.stall_look`: it counts the stops (a request that got 0 tokens in
-a step that left token budget unused) per scheduler and hands a streak long enough here.
-Nothing of the watchdog runs inside the split or the encoder-input check. A streak long
-enough is named (one WARNING, :func:`name_stall`); a named stall still there
-``end_stalls_after`` seconds and two samples later is ordered to end (:func:`consider`) if
-:func:`own_inputs_proof` shows that its own encoder inputs keep it there whatever other
-requests do, or :func:`cross_hold_proof` that it is the one victim of named stalls that hold
-the encoder cache space each other needs. :mod:`vllm_mamba_fix.rules.stall_end` executes the
-order at the next step. Reads the scheduler, imports no vLLM.
+Its look (:mod:`vllm_mamba_fix.rules.stall_look`, once per step) hands a streak long enough
+here: it is named (one WARNING, :func:`name_stall`); a named stall still there
+``end_stalls_after`` seconds and two samples later is ordered to end (:func:`consider`) if its
+own encoder inputs keep it there whatever others do, or it is the one victim of named stalls
+holding the cache space each other needs (``encoder_facts``). The order is carried out at the
+next step (:mod:`vllm_mamba_fix.rules.stall_end`). Reads the scheduler, imports no vLLM.
 """
 
 from __future__ import annotations
@@ -97,18 +93,10 @@ def _named_stalls(scheduler: Any) -> dict[str, Stalled]:
     return stalled
 
 
-def _cross_proof(scheduler: Any, request: Any) -> str | None:
-    return cross_hold_proof(scheduler, request, _named_stalls(scheduler), ordered(scheduler))
-
-
 def split_window_end(scheduler: Any, request: Any, position: int) -> int:
-    """End of the smallest chunk the split does not floor to 0.
-
-    Where the split rule acts on the request, a chunk that stops at the next encoder input
-    is not floored (0.28's order): one token past the cut's look-ahead, as the encoder
-    check's. Else the next boundary of the smallest unit any split floors to (a smaller
-    unit only shrinks the proof's window).
-    """
+    """End of the smallest chunk the split does not floor to 0: where the split rule acts, one
+    token past the cut's look-ahead (0.28's order, as the encoder check's); else the next
+    boundary of the smallest unit any split floors to."""
     options = getattr(getattr(type(scheduler), SPLIT_METHOD, None), MARKER, None)
     if getattr(options, "deadlock_rules", False) and options.scope.in_scope(request):
         end = position + 1 + encoder_cut_shift(scheduler)
@@ -124,42 +112,20 @@ def _boundary_end(scheduler: Any, request: Any, position: int) -> int:
     return min((position // unit + 1) * unit, int(request.num_prompt_tokens))
 
 
-def _report(
-    scheduler: Any, request: Any, computed: int, streak: Streak, now: float, note: str
-) -> StallReport:
-    manager = scheduler.encoder_cache_manager
+def _report(scheduler: Any, request: Any, streak: Streak, now: float) -> StallReport:
+    manager, position = scheduler.encoder_cache_manager, streak.position
     held_ids = manager.get_cached_input_ids(request)
-    features = request.mm_features
+    spans = [(f.mm_position.offset, f.mm_position.length) for f in request.mm_features]
     waited = next(
-        (
-            i
-            for i, feature in enumerate(features)
-            if i not in held_ids
-            and feature.mm_position.offset + feature.mm_position.length > computed
-        ),
-        None,
+        (i for i, (o, n) in enumerate(spans) if i not in held_ids and o + n > position), None
     )
-    waited_facts = None
-    if waited is not None:
-        position = features[waited].mm_position
-        waited_facts = (position.offset, position.length, num_embeds(request, waited))
-    held = tuple(
-        (features[i].mm_position.offset, features[i].mm_position.length) for i in sorted(held_ids)
-    )
+    waited_facts = None if waited is None else (*spans[waited], num_embeds(request, waited))
+    budget = int(getattr(scheduler, "max_num_encoder_input_tokens", manager.cache_size))
     return StallReport(
-        request_id=request.request_id,
-        position=computed,
-        prompt_tokens=request.num_prompt_tokens,
-        steps=streak.steps,
-        seconds=now - streak.since,
-        held=held,
-        waited=waited_facts,
-        cache_size=manager.cache_size,
-        cache_free=manager.num_free_slots,
-        compute_budget=int(getattr(scheduler, "max_num_encoder_input_tokens", manager.cache_size)),
-        cause=streak.cause or StallCause.UNKNOWN,
-        end_note=note,
-    )
+        request.request_id, position, request.num_prompt_tokens, streak.steps,
+        now - streak.since, tuple(spans[i] for i in sorted(held_ids)), waited_facts,
+        manager.cache_size, manager.num_free_slots, budget, streak.cause or StallCause.UNKNOWN,
+    )  # fmt: skip
 
 
 # -- naming a stall and considering its end ---------------------------------------------------
@@ -186,11 +152,9 @@ def name_stall(scheduler: Any, request: Any, heard: Heard, speculative: bool | N
     _named_stalls(scheduler)  # forget the stalls that ended since
     installation.memory[Named].setdefault(scheduler, {})[request.request_id] = (store, streak)
     counters.record_stall(request_id=request.request_id, stalled_for=now - streak.since)
-    manager = scheduler.encoder_cache_manager
-    budget = int(getattr(scheduler, "max_num_encoder_input_tokens", manager.cache_size))
-    report = _report(scheduler, request, streak.position, streak, now, "")
+    report = _report(scheduler, request, streak, now)
     waited = report.waited[2] if report.waited else None
-    cause = stall_cause(bool(speculative), waited, manager.cache_size, budget)
+    cause = stall_cause(bool(speculative), waited, report.cache_size, report.compute_budget)
     facts = own_inputs(scheduler, request, streak.position, window_end)
     proof = None if facts is None else own_inputs_block(*facts)
     split_options = getattr(getattr(type(scheduler), SPLIT_METHOD, None), MARKER, None)
@@ -248,7 +212,7 @@ def consider(scheduler: Any, request: Any, heard: Heard) -> None:
         return
     proof = own_inputs_proof(scheduler, request, streak.position, window_end)
     if proof is None:
-        proof = _cross_proof(scheduler, request)
+        proof = cross_hold_proof(scheduler, request, _named_stalls(scheduler), ordered(scheduler))
         if proof is not None and streak.cause in (None, StallCause.UNKNOWN):
             streak.cause = StallCause.SHARED_CACHE
     if proof is None or support_of(scheduler) is not None:

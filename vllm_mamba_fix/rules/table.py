@@ -1,14 +1,9 @@
 """The rule table: every rule the plugin can install, and every method that carries rules.
 
-One frozen :class:`RuleSpec` per rule says what it is (its name), which module of this
-folder holds it, where it runs (the Scheduler method whose wrapper carries it), how its need
-is decided (a function of :mod:`vllm_mamba_fix.decide.policy`), its switch and its
-``stats()`` keys. One
-:class:`MethodSpec` per wrapped method says how its wrapper is built and which of its
-rules a built wrapper carries. ``patch``, ``plugin``, doctor and the docs'
-configuration table read these tables; adding a rule touches its own module in this
-folder (with its header), its verdict in ``decide/policy.py``, and this table
-(CONTRIBUTING.md, "Adding a rule").
+One :class:`RuleSpec` per rule (its module, the method whose wrapper carries it, its verdict in
+:mod:`vllm_mamba_fix.decide.policy`, its switch, its ``stats()`` keys) and one
+:class:`MethodSpec` per wrapped method (how its wrapper is built, which rules it carries).
+Patch, plugin, doctor and the docs read them (CONTRIBUTING.md, "Adding a rule").
 """
 
 from __future__ import annotations
@@ -72,8 +67,6 @@ class MethodSpec:
     wrap: Callable[[Callable[..., Any], Any], Callable[..., Any]]
     # The rules a built wrapper's options carry.
     carried: Callable[[Any], frozenset[Rule]]
-    # The method whose wrapper this one's rules act through: not wrapped where it is not.
-    needs: str | None = None
 
 
 RULES: tuple[RuleSpec, ...] = (
@@ -121,16 +114,14 @@ def _split_options(rules: frozenset[Rule], facts: Facts, scope: ScopePolicy) -> 
 
 
 def _split_carried(options: WrapOptions) -> frozenset[Rule]:
-    carried = {Rule.SPLIT} if options.deadlock_rules else set()
-    return frozenset(carried | ({Rule.BLOCK_UNIT} if options.block_rule else set()))
+    on = ((Rule.SPLIT, options.deadlock_rules), (Rule.BLOCK_UNIT, options.block_rule))
+    return frozenset(rule for rule, carried in on if carried)
 
 
 def _encoder_options(
     rules: frozenset[Rule], facts: Facts, scope: ScopePolicy
 ) -> EncoderOptions | None:
-    # The split rule learns from this wrapper which chunks the check cut (encoder_cut.py):
-    # wrapped wherever it runs, carrying only that ear if no rule of its own. The watchdog
-    # hears nothing here (it looks once per step from update_from_output).
+    # Wrapped wherever the split rule runs too: its ear (encoder_cut.py).
     if not rules & {Rule.SPLIT, Rule.SPECULATIVE_STALL}:
         return None
     return EncoderOptions(scope, release_speculative_stalls=Rule.SPECULATIVE_STALL in rules)
@@ -150,10 +141,8 @@ def _update_options(rules: frozenset[Rule], facts: Facts, scope: ScopePolicy) ->
 
 
 def _update_carried(options: EndOptions) -> frozenset[Rule]:
-    carried = {Rule.STALL_WATCHDOG} if options.stall_seconds is not None else set()
-    return frozenset(
-        carried | ({Rule.STALL_END} if options.end_stalls_after is not None else set())
-    )
+    on = ((Rule.STALL_WATCHDOG, options.stall_seconds), (Rule.STALL_END, options.end_stalls_after))
+    return frozenset(rule for rule, seconds in on if seconds is not None)
 
 
 METHODS: tuple[MethodSpec, ...] = (
@@ -166,11 +155,10 @@ METHODS: tuple[MethodSpec, ...] = (
 
 # The rule-carrying methods, in the order the log names them.
 RULE_METHODS: tuple[str, ...] = tuple(spec.name for spec in METHODS)
-# Every method the plugin wraps: the rule carriers, the per-construction check, and
-# the end of per-request state.
+# Every method the plugin wraps: the rule carriers, __init__ and _free_request.
 ALL_WRAPPED: tuple[str, ...] = (*RULE_METHODS, INIT_METHOD, FREE_REQUEST_METHOD)
-# Per method, the method whose wrapper its rules act through.
-NEEDS: dict[str, str] = {spec.name: spec.needs for spec in METHODS if spec.needs is not None}
+# Per method, the method whose wrapper its rules act through: none does (each carries its own).
+NEEDS: dict[str, str] = {}
 RULE_METHOD: dict[Rule, str] = {spec.rule: spec.method for spec in RULES}
 FIX_RULES: tuple[Rule, ...] = tuple(spec.rule for spec in RULES if spec.fixes)
 # Rules of the split method, which do nothing where vLLM never calls it.
@@ -183,8 +171,7 @@ def method_spec(name: str) -> MethodSpec:
 
 def rules_through(name: str, chosen: frozenset[Rule]) -> list[Rule]:
     """The ``chosen`` rules that act through method ``name``'s wrapper, in table order."""
-    methods = {name} | {method for method, needs in NEEDS.items() if needs == name}
-    return [spec.rule for spec in RULES if spec.rule in chosen and spec.method in methods]
+    return [spec.rule for spec in RULES if spec.rule in chosen and spec.method == name]
 
 
 def plan(settings: Settings, family: Family, evidence: Evidence) -> Plan:

@@ -1,16 +1,7 @@
-# Carrier of: the per-scheduler check (__init__) and the end of per-request state
-#             (_free_request); the split method's wrapper is rules/split_rule.py's.
-"""The wrappers around ``Scheduler.__init__`` and ``_free_request``;
-:mod:`vllm_mamba_fix.install.patch` installs them.
-
-- ``__init__``: runs the per-scheduler check once the scheduler is built.
-- ``_free_request``: per-request state ends with the request.
-
-The split method's wrapper, which carries the split and block-unit rules, is
-:func:`vllm_mamba_fix.rules.split_rule.make_wrapper`; the encoder check's is
-:mod:`vllm_mamba_fix.rules.encoder_wrapper`. Each original stays reachable as
-``__wrapped__``. A wrapper never raises anything of its own into vLLM: vLLM's own
-exceptions propagate, the plugin's never do.
+# Carrier of: __init__ (the per-scheduler check) and _free_request (per-request state ends).
+"""The wrappers around ``Scheduler.__init__`` (the per-scheduler check once it is built) and
+``_free_request`` (per-request state ends with the request), installed by
+:mod:`vllm_mamba_fix.install.patch`. A wrapper never raises anything of its own into vLLM.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""The stores of zero-token streaks: the watchdog's memory of who got 0 tokens, and since when.
-
-Two kinds of store count 0s per request: one per encoder-check wrapper (its 0s, for the
-speculative-stall rule's repeat) and one per scheduler the watchdog samples (the stops it
-counted, :mod:`vllm_mamba_fix.rules.stall_watch`). A streak
-is plain data (:class:`vllm_mamba_fix.decide.stalls.Streak`); when a 0 is a stall is
-decided there, from plain numbers. The stores are state, so they live here, with the rules
-that fill them, and not in ``decide/``. Every store is known to the session
-(:class:`Stores`, :meth:`vllm_mamba_fix.changes.Changes.memory`) and so to
-:func:`forget_request`, which vLLM's freeing of a request calls: no streak outlives its
-request. No vLLM import.
+"""The stores of zero-token streaks: one per encoder-check wrapper (the speculative-stall rule's
+repeat) and one per scheduler the watchdog samples (:mod:`vllm_mamba_fix.rules.stall_look`).
+A streak is plain data (:class:`vllm_mamba_fix.decide.stalls.Streak`); the stores are state, so
+they live here, not in ``decide/``. The session knows every store (:class:`Stores`), so
+:func:`forget_request`, called when vLLM frees a request, leaves no streak behind. No vLLM import.
 """
 
 from __future__ import annotations
