@@ -6,11 +6,9 @@
 # Runs on:  0.24.0-0.32.x; before 0.24 the model runner asserts on an encoder-cache miss, so
 #           the watchdog names such a stall and the stall end ends it instead.
 # Decided:  by the scheduler class's code (facts/evidence.py: an encoder free deferred by a
-#           look-ahead), by the version where it cannot tell (decide/policy.py:
-#           speculative_verdict).
+#           look-ahead), by the version where it cannot (decide/policy.py: speculative_verdict).
 # Removed:  0.33.0 frees without the delay and cuts without the shift: the rule goes with the
-#           last supported 0.32. Its carrier, rules/encoder_wrapper.py, stays the split
-#           rule's ear (rules/encoder_cut.py) while that rule runs.
+#           last supported 0.32 (its carrier stays the split rule's ear while that rule runs).
 """The speculative-stall rule, per 0 of the encoder-input check (carried by
 :mod:`vllm_mamba_fix.rules.encoder_wrapper`): where the check gave 0 twice at the same position
 of an in-scope request and its held inputs keep the shifted cut from passing the next one, or

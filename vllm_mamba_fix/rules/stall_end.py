@@ -51,9 +51,6 @@ class EndOptions:
     end_stalls_after: float | None = None  # after naming, before a proven stall is ended
 
 
-# -- the safe point: update_from_output ------------------------------------------------------
-
-
 def _request_error(message: str) -> Any:
     """0.33's RequestError with the message, where EngineCoreOutput carries one; else None."""
     from vllm.v1.engine import EngineCoreOutput

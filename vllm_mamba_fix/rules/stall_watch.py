@@ -65,9 +65,6 @@ class Named(weakref.WeakKeyDictionary[Any, dict[str, tuple[ZeroStreaks, Streak]]
     stall named there."""
 
 
-# -- reading the scheduler ---------------------------------------------------------------
-
-
 def _held_by_others(scheduler: Any, facts: OwnInputs | None) -> bool:
     """Whether the inputs it needs fit alone but not in the space others leave now."""
     if facts is None:
@@ -126,9 +123,6 @@ def _report(scheduler: Any, request: Any, streak: Streak, now: float) -> StallRe
         now - streak.since, tuple(spans[i] for i in sorted(held_ids)), waited_facts,
         manager.cache_size, manager.num_free_slots, budget, streak.cause or StallCause.UNKNOWN,
     )  # fmt: skip
-
-
-# -- naming a stall and considering its end ---------------------------------------------------
 
 
 class Heard(NamedTuple):
