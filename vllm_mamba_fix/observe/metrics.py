@@ -93,14 +93,6 @@ def _import_prometheus() -> tuple[ModuleType, ModuleType, ModuleType] | Exceptio
     return prometheus_client, mmap_dict, multiprocess
 
 
-def _private_directory(path: str) -> str:
-    """The API server's directory, made by its first engine core; only if it is this user's."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    if os.stat(path).st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to another user")
-    return path
-
-
 def _sink_here() -> Writer | Local | None:
     """Where this process counts, chosen on first use (a forked child chooses again); holds
     ``_lock``: ``PROMETHEUS_MULTIPROC_DIR``, else its own served counts, else the directory an
@@ -124,8 +116,11 @@ def _sink_here() -> Writer | Local | None:
     elif mem.local is not None and mem.local.pid == pid:
         mem.off_pid = None
         return mem.local
-    elif private:
-        mem.writer = Writer(found[1], _private_directory(private))
+    elif private:  # the API server's, made by its first engine core; only if it is this user's
+        os.makedirs(private, mode=0o700, exist_ok=True)
+        if os.stat(private).st_uid != os.getuid():
+            raise PermissionError(f"{private} belongs to another user")
+        mem.writer = Writer(found[1], private)
     else:
         mem.off_pid = None
         return _serve_here(found, None)
@@ -259,17 +254,14 @@ def _local_values() -> dict[tuple[Series, Labels], float]:
         return dict(local.values) if local is not None else {}
 
 
-def _warn_once(message: str, *args: Any) -> None:
-    say_once(logging.WARNING, message, *args, event=None)
-
-
 def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str | None) -> Any:
     """A collector in this process's REGISTRY; counts made here stay in memory. Holds ``_lock``.
     Returns the directory it reads for ``attach``, or the in-memory sink."""
     mem = installation.memory[Exported]
     if mem.collector is None:
         registry = found[0].REGISTRY
-        collector = Collector(found[2], _local_values, _warn_once)
+        warn = functools.partial(say_once, logging.WARNING, event=None)
+        collector = Collector(found[2], _local_values, warn)
         registry.register(collector)
         mem.collector, mem.local = collector, Local()
         what = "the vllm_mamba_fix_* collector on prometheus_client's REGISTRY"
