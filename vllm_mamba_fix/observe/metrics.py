@@ -205,9 +205,8 @@ def prepare_engine(
     info: Mapping[str, str] | None = None,
     standing: tuple[int, float] = (0, 0.0),
 ) -> None:
-    """This process is the engine core of ``labels`` (vLLM's ``engine`` and ``model_name``):
-    every counter at 0, the info series (``info`` its own labels), the block sizes and the
-    stalls standing now. Never raises."""
+    """This process is the engine core of ``labels``: every counter at 0, the info series, the
+    block sizes and the stalls standing now. Never raises."""
     mem = installation.memory[Exported]
     mem.identity, mem.identity_pid = tuple(sorted(labels)), os.getpid()
     for key in SERIES:
@@ -282,8 +281,7 @@ def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str
 
 
 def _unserve(registry: Any, collector: Collector) -> None:
-    """The undo of :func:`_serve_here`: the collector leaves ``registry``; counts made in this
-    process afterwards choose their sink again."""
+    """The undo of :func:`_serve_here`; counts made here afterwards choose their sink again."""
     with _lock:
         mem = installation.memory[Exported]
         if mem.collector is collector:

@@ -312,10 +312,8 @@ class SplitRule:
 
 
 def tail_frees_room_at(scheduler: Any, request: Any, start: int, cut: int, answer: int) -> bool:
-    """:func:`~vllm_mamba_fix.decide.decision.tail_frees_room` with the scheduler's numbers: the
-    input at ``start + cut``, the cache's room left to it, the slots of the request's own inputs
-    ending in ``(start + answer, start + cut]``. Read only where the encoder stop would replace
-    a whole-block answer."""
+    """``decision.tail_frees_room`` with the scheduler's numbers, read only where the encoder
+    stop would replace a whole-block answer."""
     feats = list(getattr(request, "mm_features", None) or ())
     at = start + cut
     later = [i for i, f in enumerate(feats) if f.mm_position.offset >= at]
@@ -360,8 +358,7 @@ def eagle_remainder_waits(call: Any, start: int) -> bool:
     end = start + answer
     if any(end <= f.mm_position.offset <= end + 1 for f in request.mm_features or ()):
         return False
-    # A step can give a block: read here, not through facts.blocks.longest_chunk (one file
-    # fewer on a corrected call), the same budget and threshold.
+    # A step can give a block (facts.blocks.longest_chunk's reads, here: one file fewer).
     scheduler = call.scheduler
     budget = getattr(scheduler, "max_num_scheduled_tokens", None)
     threshold = getattr(
