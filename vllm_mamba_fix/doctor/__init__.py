@@ -24,8 +24,8 @@ Exit codes:
 """
 
 # The package (the docstring above is --help): checks/ fill in a JSON body, verdict reads the
-# install records the dry run made (never the log text), issue and render print the JSON. The
-# top layer: only core.py imports install/plugin.py; the environment only through config.
+# install records the dry run made (never the log text), render prints the JSON. The top
+# layer: only core.py imports install/plugin.py; the environment only through config.
 
 from __future__ import annotations
 

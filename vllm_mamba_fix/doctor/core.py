@@ -15,8 +15,7 @@ from typing import Any
 from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.decide.policy import Rule, preflight
 from vllm_mamba_fix.doctor import verdict
-from vllm_mamba_fix.doctor.checks import delivery, schedulers, speculative, support
-from vllm_mamba_fix.doctor.checks.vllm_import import import_step
+from vllm_mamba_fix.doctor.checks import delivery, schedulers, speculative, vllm_import
 from vllm_mamba_fix.doctor.cli import build_parser
 from vllm_mamba_fix.doctor.render import render_output
 from vllm_mamba_fix.doctor.report import STATUS, Report, one_line, package_path
@@ -124,24 +123,22 @@ def _scheduler_step(state: _Run, needed: frozenset[Rule]) -> list[str]:
 
 def _verdict_step(state: _Run) -> tuple[verdict.Policy, list[str]]:
     """The verdict from the records and the set-up, the rule entries, and what breaks it."""
-    report, settings, found = state.report, state.settings, state.found
+    report, settings, found, dry = state.report, state.settings, state.found, state.dry
     dlv = delivery.check_delivery(report, settings, plugin.register)  # not loaded: nothing runs
     delivered = dlv.entry_point_error is None and dlv.vllm_plugins_allows
     setup = state.setup = dataclasses.replace(state.setup, delivered=delivered)
-    chosen = verdict.policy(found, setup)
+    chosen, decided = verdict.policy(found, setup), found.decided(setup.should_patch)
     rule_problems = verdict.rule_problems(found, report.data["dry_run"].get("error"))
     inactive = ("setting" if settings.mode is Mode.OFF else "version", setup.preflight_reason)
     entries = verdict.rule_entries(
         found, setup, state.evidence, chosen.needed, inactive, rule_problems
     )
     report.data.update(rules=entries, policy=chosen.to_json())
-    if state.dry is not None:  # what two other modules say this release supports
-        support.check_stall_end(report, [c.target.qualname for c in state.dry.classes if c.derives])
-        support.check_metrics(report)
+    if dry is not None:  # what two other modules say this release supports
+        vllm_import.check_stall_end(report, [c.target.qualname for c in dry.classes if c.derives])
+        vllm_import.check_metrics(report)
     class_problems = _scheduler_step(state, chosen.needed)
-    rule_problems.update(
-        verdict.switched_off(found.decided(setup.should_patch), chosen.needed, settings)
-    )
+    rule_problems.update(verdict.switched_off(decided, chosen.needed, settings))
     found_problems = verdict.problems(chosen, dlv, rule_problems, class_problems)
     report.problems.extend(found_problems)
     report.warnings.extend(verdict.rule_warnings(entries))
@@ -154,7 +151,7 @@ def run(
     report, settings = Report(), load_settings()
     report.data["tool"] = {"name": "vllm-mamba-fix", "version": __version__,
                            "package_path": package_path(), "python": sys.executable}  # fmt: skip
-    version, family = import_step(report)
+    version, family = vllm_import.import_step(report)
     report.data["schedulers"] = []
     if family is None or version is None:
         delivery.check_delivery(report, settings, plugin.register)
