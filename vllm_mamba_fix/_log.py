@@ -1,7 +1,5 @@
-"""The plugin's logger (a child of ``vllm``, so lines share vLLM's handler and format), the
-fields its records carry for JSON logging, and the once-only report of a wrapper that fell back
-to vLLM's own result. Saying a line once per session is the session's
-(:func:`vllm_mamba_fix.changes.say_once`)."""
+"""The plugin's logger (a child of ``vllm``: lines share vLLM's handler and format), the fields
+its records carry for JSON logging, and the once-only report of a wrapper that fell back."""
 
 from __future__ import annotations
 
@@ -62,30 +60,23 @@ EVENTS: dict[str, str] = {
 
 
 def fields(event: str, **facts: Any) -> dict[str, Any]:
-    """The ``extra=`` of a record: ``event`` and ``facts`` under :data:`FIELD_PREFIX`.
-
-    Build it only for a record that is emitted (``logger.isEnabledFor``) on hot paths.
-    """
-    extra = {FIELD_PREFIX + "event": event}
-    for name, value in facts.items():
-        extra[FIELD_PREFIX + name] = value
-    return extra
+    """The ``extra=`` of a record; on hot paths, build it only for a record that is emitted."""
+    return {FIELD_PREFIX + name: value for name, value in {"event": event, **facts}.items()}
 
 
 def failure_reporter(what: str) -> Callable[[Exception, Any], Any]:
+    """A wrapper's fallback: vLLM's own answer stands (never break the host), said once."""
     reported = False
 
     def fall_back(exc: Exception, stock: Any) -> Any:
-        # Never break the host: vLLM's own answer stands.
         nonlocal reported
         if not reported:
             reported = True
+            why = f"{what} failed ({type(exc).__name__}: {exc})"
             logger.warning(
-                "vllm-mamba-fix: %s failed (%s: %s); using vLLM's result",
-                what,
-                type(exc).__name__,
-                exc,
-                extra=fields("fallback", problem=f"{what} failed ({type(exc).__name__}: {exc})"),
+                "vllm-mamba-fix: %s; using vLLM's result",
+                why,
+                extra=fields("fallback", problem=why),
             )
         return stock
 

@@ -1,29 +1,11 @@
-"""The plugin's session: every change it makes to the process, everything it remembers, one close.
-
-The plugin changes vLLM and the process in a few kinds of ways: it sets wrappers on vLLM's
-classes (the scheduler's methods, the API server's stream generators), puts import hooks on
-``sys.meta_path``, registers a collector on prometheus_client's ``REGISTRY``, sets an
-environment variable for the engine cores it starts, and keeps per-scheduler state as
-attributes of scheduler instances. Each of those is made through one :class:`Changes`, which
-keeps a :class:`Change` per change with what reverts it; :meth:`Changes.undo` reverts them
-newest first, once. :data:`installation` is the process's one record: the modules of
-``install/``, ``observe/`` and ``rules/`` write through it, and ``unregister()``
-(:mod:`vllm_mamba_fix.install.plugin`) closes it (:meth:`Changes.close`).
-
-It also holds everything the plugin remembers, as pytest's ``MonkeyPatch`` holds its changes:
-each concern's memory is a small class its own module defines (counts, named stalls, end
-orders, the encoder note, metrics identity, install records...), made on first use in
-:class:`Memory`, and the lines :func:`say_once` said. Closing forgets all of it, so
-no module keeps state of its own and a new ``register()`` starts as in a fresh process.
-
-A change that someone else has overwritten since is left as they left it: a class attribute
-or environment variable is restored only while it still holds what the plugin put there.
-Scheduler instances are held weakly (a scheduler is never kept alive by the record), and an
-instance attribute the plugin did not set itself is never overwritten (:meth:`Changes.set_on`).
-
-Undoing never raises: a revert that fails is said once and the others still run. This module
-sits at the bottom of the package: it imports nothing of the plugin's.
-"""
+"""The plugin's session, as pytest's ``MonkeyPatch``: every change the plugin makes to vLLM and
+the process (class wrappers, import hooks, a metrics collector, an environment variable, a
+scheduler's attributes) is made through :data:`installation`, which keeps what reverts it, and
+all the plugin remembers is in its :class:`Memory`. ``unregister()`` closes it: the changes are
+undone newest first, once, and the memory forgotten, so a new ``register()`` starts as in a
+fresh process. A change someone else has overwritten since is left as they left it; instances
+are held weakly, and an attribute the plugin did not set is never overwritten. Undoing never
+raises. At the bottom of the package: this module imports nothing of the plugin's."""
 
 from __future__ import annotations
 
@@ -36,8 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The plugin's logger and its records' field prefix, as _log.py names them (a test holds them
-# equal): this module imports nothing of the plugin, so the session lengthens no chain of
-# imports (tools/import_chain.py).
+# equal): importing nothing of the plugin, the session lengthens no chain of imports.
 _logger = logging.getLogger("vllm.mamba_fix")
 _FIELD_PREFIX = "vllm_mamba_fix_"
 _MISSING: Any = object()
@@ -70,9 +51,15 @@ def _namespace(instance: Any) -> dict[str, Any] | None:
     return space if isinstance(space, dict) else None
 
 
+def _weak(instance: Any) -> weakref.ref[Any] | None:
+    try:
+        return weakref.ref(instance)
+    except TypeError:
+        return None
+
+
 def _type_name(instance: Any) -> str:
-    cls = type(instance)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    return f"{type(instance).__module__}.{type(instance).__qualname__}"
 
 
 class Memory(dict[type, Any]):
@@ -93,52 +80,31 @@ class Changes:
         self.memory = Memory()  # until close()
         self._said: set[str] = set()  # the lines say_once said
 
-    # -- memory -------------------------------------------------------------------------
-
     def say_once(
         self, level: int, message: str, *args: Any, event: str | None = "setup", **facts: Any
     ) -> bool:
-        """Log ``vllm-mamba-fix: <message>`` once per session; returns whether it was logged.
-
-        ``message`` is the key: a ``%`` template with ``args`` is said once whatever the args.
-        ``event`` and ``facts`` become the record's fields (as ``_log.fields`` makes them);
-        ``event=None``: none. :meth:`close` forgets what was said, so a new ``register()``
-        says it again.
-        """
+        """Log ``vllm-mamba-fix: <message>``, keyed by ``message`` (a ``%`` template), once per
+        session; ``event`` and ``facts``: the record's fields. Whether it was logged."""
         with self._lock:
             if message in self._said:
                 return False
             self._said.add(message)
-        extra = None
-        if event is not None:
-            extra = {_FIELD_PREFIX + k: v for k, v in {"event": event, **facts}.items()}
-        if args:
-            _logger.log(level, "vllm-mamba-fix: " + message, *args, extra=extra)
-        else:
-            _logger.log(level, "vllm-mamba-fix: %s", message, extra=extra)
+        facts = {"event": event, **facts} if event is not None else {}
+        extra = {_FIELD_PREFIX + k: v for k, v in facts.items()} or None
+        if not args:  # a line without args is never %-formatted
+            message, args = "%s", (message,)
+        _logger.log(level, "vllm-mamba-fix: " + message, *args, extra=extra)
         return True
 
     def close(self) -> bool:
-        """Undo every change, then forget everything remembered (``unregister()``).
-
-        Returns whether anything was undone. Never raises.
-        """
+        """Undo every change, then forget all remembered and said; whether anything was undone."""
         undone = self.undo()
         with self._lock:
             self.memory, self._said = Memory(), set()
         return undone
 
-    # -- recording ------------------------------------------------------------------------
-
-    def record(
-        self,
-        tag: str,
-        what: str,
-        revert: Callable[[], None],
-        target: Any = None,
-        name: str | None = None,
-        value: Any = None,
-    ) -> Change:
+    def record(self, tag: str, what: str, revert: Callable[[], None], target: Any = None,
+               name: str | None = None, value: Any = None) -> Change:  # fmt: skip
         """Record a change the caller has just made, with the call that reverts it."""
         change = Change(tag, what, revert, target, name, value)
         with self._lock:
@@ -146,8 +112,8 @@ class Changes:
         return change
 
     def set_attr(self, target: Any, name: str, value: Any, tag: str) -> Change:
-        """``setattr(target, name, value)`` on a class or module; undo restores what its own
-        namespace held (or deletes the attribute), while it still holds ``value``."""
+        """``setattr`` on a class or module; undo restores what its own namespace held (or
+        deletes the attribute), while it still holds ``value``."""
         previous = vars(target).get(name, _MISSING)
 
         def revert() -> None:
@@ -164,13 +130,11 @@ class Changes:
             return self.record(tag, what, revert, target, name, value)
 
     def set_env(self, name: str, value: str, tag: str) -> Change | None:
-        """``os.environ[name] = value``; undo restores the previous value or removes it, while
-        the variable still holds ``value``. Setting the value it already set records nothing."""
+        """``os.environ[name] = value``; undo restores what was there while it still holds
+        ``value``. Setting the value it already set records nothing."""
         with self._lock:
             current = os.environ.get(name)
-            if current == value and any(
-                c.target is os.environ and c.name == name for c in self._changes
-            ):
+            if current == value and self.changed(os.environ, name):
                 return None
 
             def revert() -> None:
@@ -195,14 +159,10 @@ class Changes:
             items.insert(0, item)
             return self.record(tag, what, revert, items, name, item)
 
-    # -- instance attributes --------------------------------------------------------------
-
     def set_on(self, instance: Any, name: str, value: Any) -> bool:
-        """Set attribute ``name`` of ``instance`` (a scheduler) to ``value``; undo deletes it.
-
-        Refused (False, said once) where ``instance`` already holds ``name`` and the plugin
-        did not set it, or where ``instance`` cannot be held weakly. Never raises.
-        """
+        """Set attribute ``name`` of ``instance`` (a scheduler); undo deletes it. Refused
+        (False, said once) where the plugin did not set what is there, or where ``instance``
+        cannot be held weakly. Never raises."""
         with self._lock:
             owned = self._own(instance, name)
             if owned is None:
@@ -217,19 +177,11 @@ class Changes:
 
     def replace_on(self, instance: Any, name: str, value: Any) -> bool:
         """Replace ``instance``'s own attribute ``name`` (vLLM's) by ``value``; undo puts the
-        original back while the attribute still holds ``value``. The instance is held weakly.
-
-        Refused (False, said once) where ``instance`` has no such attribute of its own or
-        cannot be held weakly. Never raises.
-        """
-        space = _namespace(instance)
-        try:
-            ref = weakref.ref(instance)
-        except TypeError:
-            ref = None
+        original back while it still holds ``value``. Refused (False, said once) where it is
+        not the instance's own or ``instance`` cannot be held weakly. Never raises."""
+        space, ref = _namespace(instance), _weak(instance)
         if ref is None or space is None or name not in space:
-            cls = _type_name(instance)
-            why = f"cannot replace {name} of a {cls}: not its own attribute"
+            why = f"cannot replace {name} of a {_type_name(instance)}: not its own attribute"
             self.say_once(logging.WARNING, why)
             return False
         previous = space[name]
@@ -256,28 +208,20 @@ class Changes:
             owned = None  # a dead instance's id, reused
         space = _namespace(instance)
         if space is not None and name in space and (owned is None or name not in owned.names):
-            cls = _type_name(instance)
-            self.say_once(
-                logging.WARNING,
-                f"left {name} of a {cls} as it is: the plugin did not set it",
-                scheduler_class=cls,
-                problem=f"{name} is not the plugin's",
-            )
+            cls, problem = _type_name(instance), f"{name} is not the plugin's"
+            why = f"left {name} of a {cls} as it is: the plugin did not set it"
+            self.say_once(logging.WARNING, why, scheduler_class=cls, problem=problem)
             return None
         return owned or self._track(instance, space)
 
     def _track(self, instance: Any, space: dict[str, Any] | None) -> _Owned | None:
-        try:
-            ref = weakref.ref(instance)
-        except TypeError:
-            ref = None
+        ref = _weak(instance)
         if ref is None or space is None:
             cls = _type_name(instance)
             self.say_once(logging.WARNING, f"keeps no state on a {cls} (no weakref or namespace)")
             return None
         self._prune()  # a dead instance of the same id goes here
-        owned = _Owned(ref)
-        key = id(instance)
+        owned, key = _Owned(ref), id(instance)
 
         def revert() -> None:
             with self._lock:
@@ -295,12 +239,9 @@ class Changes:
 
     def _prune(self) -> None:
         """Forget the instances that are gone (their attributes went with them)."""
-        dead = [key for key, owned in self._instances.items() if owned.ref() is None]
-        for key in dead:
+        for key in [key for key, owned in self._instances.items() if owned.ref() is None]:
             change = self._instances.pop(key).change
             self._changes = [c for c in self._changes if c is not change]
-
-    # -- reading and undoing ------------------------------------------------------------------
 
     def changes(self, tag: str | None = None) -> list[Change]:
         """The changes in force, oldest first (``tag``: only that module's)."""
@@ -322,10 +263,8 @@ class Changes:
         return True
 
     def undo(self, where: Callable[[Change], bool] | None = None) -> bool:
-        """Revert every change (``where``: those it accepts), newest first; each only once.
-
-        Returns whether anything was reverted. Never raises.
-        """
+        """Revert every change (``where``: those it accepts), newest first, each once; whether
+        anything was reverted. Never raises."""
         with self._lock:
             chosen = [c for c in self._changes if where is None or where(c)]
             gone = {id(c) for c in chosen}

@@ -217,7 +217,7 @@ DFLASH = (
 )
 
 
-# The ``--report`` block (doctor/issue.py): a title line, then one fenced text block.
+# The ``--report`` block (doctor/render.py): a title line, then one fenced text block.
 FENCED = re.compile(
     r"\A\*\*vllm-mamba-fix doctor --report\*\*[^\n]*\n\n(`{3,})text\n(.*)\n\1\Z", re.S
 )

@@ -1,4 +1,4 @@
-"""The entry point (doctor/checks/entry_point.py): without it vLLM never loads the plugin."""
+"""The entry point (doctor/checks/delivery.py): without it vLLM never loads the plugin."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``vllm-mamba-fix doctor --report`` (doctor/issue.py, issue 37 item 5): the block for a bug
+"""``vllm-mamba-fix doctor --report`` (doctor/render.py, issue 37 item 5): the block for a bug
 report.
 
 On the installed vLLM (0.27.1 here): the command line as users run it, with the default
@@ -31,7 +31,7 @@ from tests.doctor.conftest import (
 )
 from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.doctor import EXIT_CANNOT_TELL, EXIT_INVALID_INPUT, EXIT_NOT_PROTECTED, EXIT_OK
-from vllm_mamba_fix.doctor.issue import UNKNOWN_BLOCKS
+from vllm_mamba_fix.doctor.render import UNKNOWN_BLOCKS
 from vllm_mamba_fix.facts.config import ALL_VARIABLES
 from vllm_mamba_fix.rules.table import RULES
 
@@ -81,7 +81,7 @@ small = dict(block_size=256, max_num_batched_tokens=192, encoder_cache_tokens=25
              max_model_len=1024)
 harness.build_scheduler(HarnessConfig(configured_block_size=128, **small))
 from vllm_mamba_fix.doctor import run
-from vllm_mamba_fix.doctor.issue import render_issue
+from vllm_mamba_fix.doctor.render import render_issue
 report = run()
 with open(sys.argv[1], "w") as out:
     out.write(render_issue(report.data))
@@ -203,7 +203,7 @@ def test_report_and_json_exclude_each_other() -> None:
 
 
 def test_the_fence_outlasts_backticks_in_the_report() -> None:
-    from vllm_mamba_fix.doctor.issue import render_issue
+    from vllm_mamba_fix.doctor.render import render_issue
 
     data = {"status": "unknown", "summary": "a ```quoted``` value", "tool": {}}
     text = render_issue(data)

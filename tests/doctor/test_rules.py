@@ -1,4 +1,4 @@
-"""The rules check (doctor/checks/rules.py, from doctor/plans.py): per rule of the table,
+"""The rules check (verdict.rule_entries in doctor/verdict.py): per rule of the table,
 what the version says, what the code evidence says, which decided, and the block-unit rule's
 block facts."""
 

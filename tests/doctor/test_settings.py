@@ -1,4 +1,4 @@
-"""The settings (doctor/checks/settings.py): every ``VLLM_MAMBA_FIX*`` variable, invalid
+"""The settings (doctor/checks/delivery.py): every ``VLLM_MAMBA_FIX*`` variable, invalid
 values, the plugin switched off, the stall watchdog and the rule switches."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The two support checks (doctor/checks/support.py): they read
+"""The two support checks (in doctor/checks/vllm_import.py): they read
 the release and never change the verdict; without their modules each is one info line."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from tests.doctor.conftest import PACKAGE_DIR, _fake_run, _fake_vllm, _run
 # info line and the verdict stands.
 _WITHOUT_SUPPORT_MODULES = """\
 import sys
-from vllm_mamba_fix.doctor.checks import support
+from vllm_mamba_fix.doctor.checks import vllm_import
 # As a build without the two modules: importing them raises ImportError.
-support.METRICS_MODULE = "vllm_mamba_fix.no_such_metrics"
-support.STALL_END_MODULE = "vllm_mamba_fix.no_such_stall_end"
+vllm_import.METRICS_MODULE = "vllm_mamba_fix.no_such_metrics"
+vllm_import.STALL_END_MODULE = "vllm_mamba_fix.no_such_stall_end"
 from vllm_mamba_fix.doctor import main
 raise SystemExit(main(["doctor", *sys.argv[1:]]))
 """

@@ -1,4 +1,4 @@
-"""``VLLM_PLUGINS`` (doctor/checks/entry_point.py): a list without the plugin is not
+"""``VLLM_PLUGINS`` (doctor/checks/delivery.py): a list without the plugin is not
 protected."""
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ Exit codes:
 """
 
 # The package (the docstring above is --help): checks/ fill in a JSON body, verdict reads the
-# install records the dry run made (never the log text), issue and render print the JSON. The
-# top layer: only core.py imports install/plugin.py; the environment only through config.
+# install records the dry run made (never the log text), render prints the JSON. The top
+# layer: only core.py imports install/plugin.py; the environment only through config.
 
 from __future__ import annotations
 
@@ -42,14 +42,6 @@ from vllm_mamba_fix.doctor.report import (
     EXIT_OK,
 )
 
-__all__ = [
-    "EXIT_CANNOT_TELL",
-    "EXIT_INVALID_INPUT",
-    "EXIT_NOT_PROTECTED",
-    "EXIT_OK",
-    "FALLBACK_METHODS",
-    "SpeculativeMethods",
-    "classify_speculative",
-    "main",
-    "run",
-]
+__all__ = ["EXIT_CANNOT_TELL", "EXIT_INVALID_INPUT", "EXIT_NOT_PROTECTED", "EXIT_OK",
+           "FALLBACK_METHODS", "SpeculativeMethods", "classify_speculative",
+           "main", "run"]  # fmt: skip

@@ -1,10 +1,11 @@
-"""The report the checks fill in, exit codes, and the I/O helpers they share."""
+"""The report the checks fill in, the exit codes, and the I/O helpers the checks share."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
+import logging.handlers
 import os
 import sys
 from collections.abc import Iterator
@@ -13,11 +14,7 @@ from typing import Any
 from vllm_mamba_fix import _version
 from vllm_mamba_fix._log import logger as plugin_logger
 
-EXIT_OK = 0
-EXIT_NOT_PROTECTED = 1
-EXIT_INVALID_INPUT = 2
-EXIT_CANNOT_TELL = 3
-
+EXIT_OK, EXIT_NOT_PROTECTED, EXIT_INVALID_INPUT, EXIT_CANNOT_TELL = 0, 1, 2, 3
 # status -> (exit code, headline)
 STATUS: dict[str, tuple[int, str]] = {
     "protected": (EXIT_OK, "PROTECTED"),
@@ -26,7 +23,7 @@ STATUS: dict[str, tuple[int, str]] = {
     "invalid-input": (EXIT_INVALID_INPUT, "INVALID INPUT"),
     "unknown": (EXIT_CANNOT_TELL, "CANNOT TELL"),
 }
-# The policy verdict in words (the verdict module's Policy.verdict is a key).
+# The policy verdict (verdict.Policy.verdict) in words.
 VERDICT_TEXT = {
     "needed-will-patch": "needed, will patch",
     "needed-will-not-patch": "needed, but will NOT patch",
@@ -37,7 +34,7 @@ VERDICT_TEXT = {
 
 
 def package_path() -> str:
-    """The folder this interpreter imports the plugin from (``_version.py`` is at its top)."""
+    """The folder this interpreter imports the plugin from."""
     return os.path.dirname(os.path.abspath(_version.__file__))
 
 
@@ -46,13 +43,18 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
+def names_text(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join(names) if len(names) <= 2 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 @dataclasses.dataclass
 class Report:
-    """The JSON body and its two lists; the text and --report are rendered from it."""
+    """The JSON body (``data``) and its two lists; the text and --report are rendered from it."""
 
     problems: list[str] = dataclasses.field(default_factory=list)  # why not protected
     warnings: list[str] = dataclasses.field(default_factory=list)
-    data: dict[str, Any] = dataclasses.field(default_factory=dict)  # the JSON body
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -77,24 +79,16 @@ def stdout_to_stderr() -> Iterator[None]:
             os.close(saved)
 
 
-class LogCapture(logging.Handler):
-    """Collects the plugin's log records during the dry run, to show them (never to decide)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+class LogCapture(logging.handlers.BufferingHandler):
+    """The plugin's log records during the dry run, to show them (never to decide)."""
 
     def messages(self) -> list[str]:
-        return [r.getMessage().removeprefix("vllm-mamba-fix: ") for r in self.records]
+        return [r.getMessage().removeprefix("vllm-mamba-fix: ") for r in self.buffer]
 
 
 @contextlib.contextmanager
 def captured_plugin_log() -> Iterator[LogCapture]:
-    capture = LogCapture()
-    saved = plugin_logger.level, plugin_logger.propagate
+    capture, saved = LogCapture(sys.maxsize), (plugin_logger.level, plugin_logger.propagate)
     plugin_logger.addHandler(capture)
     plugin_logger.setLevel(logging.DEBUG)
     plugin_logger.propagate = False  # the report shows them instead
@@ -103,10 +97,3 @@ def captured_plugin_log() -> Iterator[LogCapture]:
     finally:
         plugin_logger.removeHandler(capture)
         plugin_logger.level, plugin_logger.propagate = saved
-
-
-def names_text(names: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
-    if len(names) <= 2:
-        return " and ".join(names)
-    return f"{', '.join(names[:-1])} and {names[-1]}"

@@ -1,47 +1,26 @@
 """The dry run: patch through ``register()``, settle each scheduler class with
 ``plugin.check_class(cls)`` (the engine's own check, without a built scheduler, so no block
-size), read the install records it makes, verify on the live classes that every method a
-record gives a rule resolves to the plugin's wrapper, undo. The plugin's log lines are
-captured to show them, never to decide; :mod:`vllm_mamba_fix.doctor.core` hands the plugin over."""
+size), read the install records it makes, verify on the live classes that every method a record
+gives a rule resolves to the plugin's wrapper, undo. The plugin's log lines are captured to show
+them, never to decide. ``plugin`` is :mod:`vllm_mamba_fix.install.plugin`, which core hands over."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Protocol
+from types import ModuleType
+from typing import Any
 
 from vllm_mamba_fix.decide.policy import Rule
 from vllm_mamba_fix.doctor.checks.vllm_import import resolve_class
-from vllm_mamba_fix.doctor.report import (
-    Report,
-    captured_plugin_log,
-    names_text,
-    stdout_to_stderr,
-)
+from vllm_mamba_fix.doctor.report import Report, captured_plugin_log, names_text, stdout_to_stderr
 from vllm_mamba_fix.doctor.verdict import BASE_SCHEDULER, Found
 from vllm_mamba_fix.facts.config import Settings
 from vllm_mamba_fix.facts.targets import SCHEDULER_CLASS, SCHEDULER_MODULE
 from vllm_mamba_fix.install import patch
 from vllm_mamba_fix.observe import record
 from vllm_mamba_fix.observe.record import ClassRecord, MethodState
-from vllm_mamba_fix.rules.table import (
-    ALL_WRAPPED,
-    NEEDS,
-    RULE_METHOD,
-    RULE_METHODS,
-    rules_through,
-)
-
-
-class Plugin(Protocol):
-    """What the dry run calls of :mod:`vllm_mamba_fix.install.plugin`."""
-
-    def register(self, settings: Settings | None = None) -> None: ...
-    def unregister(self) -> bool: ...
-    def check_class(self, cls: type) -> ClassRecord | None: ...
-
-
-ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+from vllm_mamba_fix.rules.table import ALL_WRAPPED, NEEDS, RULE_METHOD, RULE_METHODS, rules_through
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +30,11 @@ class Target:
     custom: bool  # given with --scheduler-cls
 
 
-def default_targets(custom: tuple[str, ...] | list[str]) -> list[Target]:
+def default_targets(custom: list[str]) -> list[Target]:
+    asynchronous = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     return [
         Target(BASE_SCHEDULER, "vLLM default", custom=False),
-        Target(ASYNC_SCHEDULER, "vLLM default with async scheduling", custom=False),
+        Target(asynchronous, "vLLM default with async scheduling", custom=False),
         *(Target(name, "--scheduler-cls", custom=True) for name in dict.fromkeys(custom)),
     ]
 
@@ -77,8 +57,7 @@ class DryRun:
 
 
 def _base_or_none() -> type | None:
-    module = sys.modules.get(SCHEDULER_MODULE)
-    base = getattr(module, SCHEDULER_CLASS, None) if module else None
+    base = getattr(sys.modules.get(SCHEDULER_MODULE), SCHEDULER_CLASS, None)
     return base if isinstance(base, type) else None
 
 
@@ -88,16 +67,15 @@ def _overriding_subclasses(base: type) -> list[str]:
     stack, seen = list(base.__subclasses__()), set()
     while stack:
         cls = stack.pop()
-        if cls in seen:
-            continue
-        seen.add(cls)
-        stack.extend(cls.__subclasses__())
-        if any(n in vars(cls) and not patch.is_wrapped(cls, n) for n in RULE_METHODS):
-            found.append(record.class_name(cls))
+        if cls not in seen:
+            seen.add(cls)
+            stack.extend(cls.__subclasses__())
+            if any(n in vars(cls) and not patch.is_wrapped(cls, n) for n in RULE_METHODS):
+                found.append(record.class_name(cls))
     return sorted(found)
 
 
-def _check_all(targets: list[Target], plugin: Plugin) -> list[ClassCheck]:
+def _check_all(targets: list[Target], plugin: ModuleType) -> list[ClassCheck]:
     """Import every class first (an import may replace a base method, as another platform
     plugin does), then settle each as the engine would, then verify what each resolves."""
     loaded: list[type | str] = []  # the class, or why it cannot be loaded
@@ -125,18 +103,14 @@ def _check_all(targets: list[Target], plugin: Plugin) -> list[ClassCheck]:
 
 
 def _why_stock(
-    base: type | None, base_record: ClassRecord | None, wrapped: tuple[str, ...]
+    base: type | None, base_record: ClassRecord | None, wrapped: list[str]
 ) -> str | None:
-    """Why a method the base's plan gives a rule carries no wrapper (None: none does), from
-    the base's typed record."""
+    """Why a method the base's plan gives a rule carries no wrapper (None: none does)."""
     if base is None:
         return f"cannot load {BASE_SCHEDULER}"
     if base_record is None:
-        return (
-            None
-            if wrapped
-            else "the plugin kept no record of the base class (its import hook never ran)"
-        )
+        why = "the plugin kept no record of the base class (its import hook never ran)"
+        return None if wrapped else why
     if not wrapped and not base_record.plan.rules:
         return f"no rule to install: {base_record.plan.describe()}"
     if not wrapped:
@@ -148,14 +122,11 @@ def _why_stock(
 
 
 def dry_run(
-    report: Report, settings: Settings | None, targets: list[Target], plugin: Plugin
+    report: Report, settings: Settings | None, targets: list[Target], plugin: ModuleType
 ) -> DryRun:
-    """``settings`` None: the entry point's own call, reading the real environment.
-
-    Otherwise the same code path runs with the settings given (``auto`` when
-    disabled, ``force`` for an unreadable version) to tell whether the patch
-    would apply if enabled.
-    """
+    """``settings`` None: the entry point's own call, reading the real environment; otherwise
+    the same code path with the settings given (``auto`` where disabled, ``force`` for an
+    unreadable version), to tell whether the patch would apply if enabled."""
     info: dict[str, Any] = {"ran": True, "forced": settings is not None}
     if settings is not None:
         info["mode"] = settings.mode.value
@@ -171,77 +142,66 @@ def dry_run(
         base_record = next(
             (c.record for c in checks if c.target.qualname == BASE_SCHEDULER and c.record), None
         )
-        wrapped = tuple(n for n in RULE_METHODS if base is not None and patch.is_wrapped(base, n))
+        wrapped = [n for n in RULE_METHODS if base is not None and patch.is_wrapped(base, n)]
         overriders = _overriding_subclasses(base) if base is not None else []
-        records = record.records()
-        restored = True
+        records, restored = record.records(), True
         if not already:
             changed = patch.changed_classes()
             plugin.unregister()  # also drops a pending import hook, if any
             restored = not patch.changed_classes() and not any(
                 patch.is_wrapped(cls, name) for cls in changed for name in ALL_WRAPPED
             )
-    info.update(
-        patched=bool(wrapped),
-        wrapped_methods=list(wrapped),
-        already_active=already,
-        via="import hook" if not pre_imported else "immediate",
-        restored=restored,
-        overriding_subclasses=overriders,
-        log=capture.messages(),
-    )
-    info["error"] = _why_stock(base, base_record, wrapped)
+    info.update(patched=bool(wrapped), wrapped_methods=wrapped, already_active=already,
+                via="import hook" if not pre_imported else "immediate", restored=restored,
+                overriding_subclasses=overriders, log=capture.messages(),
+                error=_why_stock(base, base_record, wrapped))  # fmt: skip
     if not restored:
         report.warnings.append("the dry run could not restore the stock methods (harmless here)")
     return DryRun(tuple(checks), records)
 
 
-def _method_json(check: ClassCheck, name: str) -> dict[str, Any]:
-    method = check.record.method(name) if check.record else None
-    overridden = None
-    if method is not None and not method.state.carries_rules and method.owner != BASE_SCHEDULER:
-        overridden = method.owner
-    return {"overridden_by": overridden, "reached": check.resolves_to_wrapper.get(name, False)}
+def _methods(check: ClassCheck) -> dict[str, dict[str, Any]]:
+    """Per rule method: the class overriding it (neither the plugin nor the base), reached."""
+    found: dict[str, dict[str, Any]] = {}
+    for name in RULE_METHODS:
+        state = check.record.method(name) if check.record else None
+        other = state is not None and not state.state.carries_rules
+        by = state.owner if other and state.owner != BASE_SCHEDULER else None
+        found[name] = {"overridden_by": by, "reached": check.resolves_to_wrapper.get(name, False)}
+    return found
 
 
 def scheduler_entries(
-    report: Report, dry: DryRun, records: Found, needed: frozenset[Rule]
+    report: Report, dry: DryRun, found: Found, needed: frozenset[Rule]
 ) -> list[dict[str, Any]]:
     """One JSON entry per class; each entry's ``problems`` break a needed rule (what breaks
     none is a warning)."""
     entries: list[dict[str, Any]] = []
     for check in dry.classes:
-        name, role = check.target.qualname, check.target.role
-        entry: dict[str, Any] = {"class": name, "role": role, "loaded": check.error is None}
+        name, own = check.target.qualname, check.record
+        entry: dict[str, Any] = {"class": name, "role": check.target.role, "problems": [],
+                                 "loaded": check.error is None, "reached": False}  # fmt: skip
         entries.append(entry)
-        entry["problems"] = []  # the class's own problems: each breaks a needed rule
         if check.error is not None:
-            entry.update(error=check.error, reached=False)
+            entry["error"] = check.error
             continue
-        methods = {m: _method_json(check, m) for m in RULE_METHODS}
+        methods = _methods(check)
         overridden = next(
             (m["overridden_by"] for m in methods.values() if m["overridden_by"]), None
         )
-        own = check.record.methods if check.record else ()
-        carried = [m.name for m in own if m.state.carries_rules and m.rules]
-        entry.update(
-            derives_from_scheduler=check.derives,
-            methods=methods,
-            overridden_by=overridden,
-            reached=False,
-            record=check.record.to_json() if check.record else None,
-        )
+        entry.update(derives_from_scheduler=check.derives, methods=methods,
+                     overridden_by=overridden, record=own.to_json() if own else None)  # fmt: skip
         texts: list[tuple[str, bool]] = []
         if not check.derives:
             why = f"{name} does not derive from {BASE_SCHEDULER}; the fix cannot reach it"
             texts.append((why, bool(needed)))
-        elif check.record is not None:
-            own = {r for r, names in records.needed_by.items() if name in names}
-            texts = _method_problems(check, records.planned | check.record.plan.rules, needed | own)
+        elif own is not None:
+            mine = {r for r, names in found.needed_by.items() if name in names}
+            texts = _method_problems(check, found.planned | own.plan.rules, needed | mine)
         # Reached: every method that carries a rule resolves to its wrapper, and none escapes.
-        entry["reached"] = (
-            bool(carried) and not texts and all(check.resolves_to_wrapper[m] for m in carried)
-        )
+        carried = [m.name for m in own.methods if m.state.carries_rules and m.rules] if own else []
+        resolved = all(check.resolves_to_wrapper[m] for m in carried)
+        entry["reached"] = bool(carried) and not texts and resolved
         entry["problems"] = [text for text, breaks in texts if breaks]
         report.warnings.extend(text for text, breaks in texts if not breaks)
     return entries
@@ -258,8 +218,7 @@ def _method_problems(
         state = check.record.method(method) if check.record else None
         if method in NEEDS or not through or state is None:
             continue  # NEEDS: its rules are named with the method they act through
-        rules = names_text([r.value for r in through])
-        rules += " does" if len(through) == 1 else " do"
+        rules = names_text([r.value for r in through]) + (" does" if len(through) == 1 else " do")
         if state.state is MethodState.OVERRIDDEN:
             text = f"{name} ({role}) overrides {method} in {state.owner}; {rules} not reach it"
         elif state.state is MethodState.UNPATCHABLE and state.owner != BASE_SCHEDULER:

