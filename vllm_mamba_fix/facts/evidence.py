@@ -47,26 +47,46 @@ def _function(source: str | _Function) -> _Function | None:
     return next((node for node in tree.body if isinstance(node, _Function)), None)
 
 
-def split_after_encoder(schedule_source: str | _Function | dict[str, int]) -> bool | None:
-    """Whether ``schedule()`` budgets encoder inputs before its first split call (from its
-    source, or the line of each first call, :func:`_first_calls`)."""
-    if isinstance(schedule_source, dict):
-        first = schedule_source
-        return first[ENCODER_METHOD] < first[SPLIT_METHOD] if len(first) == 2 else None
-    function = _function(schedule_source)
-    if function is None:
-        return None
-    first = {}  # the line of each method's first ``self.<name>(...)`` call
-    for node in ast.walk(function):
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == "self"
-            and node.func.attr in (SPLIT_METHOD, ENCODER_METHOD)
-        ):
-            first[node.func.attr] = min(node.lineno, first.get(node.func.attr, node.lineno))
+def split_after_encoder(schedule: str | CodeType) -> bool | None:
+    """Whether ``schedule()`` (its source, or its code object) budgets encoder inputs before its
+    first split call: the line of each first ``self.<name>(`` call, read from the lines its
+    code runs (no comment, no docstring) and tokenized, never parsed (parsing vLLM's 800-line
+    ``schedule()`` was most of the patch's time)."""
+    if isinstance(schedule, str):
+        source = textwrap.dedent(schedule)
+        try:
+            module = compile(source, "<schedule>", "exec")
+        except (SyntaxError, ValueError):
+            return None
+        code = next((c for c in module.co_consts if isinstance(c, CodeType)), None)
+        lines = source.splitlines(keepends=True)
+    else:
+        code, lines = schedule, linecache.getlines(schedule.co_filename)
+    running, codes = set(), [code] if code is not None else []
+    while codes:  # nested functions' code too
+        inner = codes.pop()
+        running |= {line for _, _, line in inner.co_lines() if line is not None}
+        codes += [c for c in inner.co_consts if isinstance(c, CodeType)]
+    first: dict[str, int] = {}
+    for number in sorted(n for n in running if 0 < n <= len(lines)):
+        for name in (SPLIT_METHOD, ENCODER_METHOD):
+            text = lines[number - 1]
+            if name not in first and name in text and _calls_self(text, name):
+                first[name] = number
     return first[ENCODER_METHOD] < first[SPLIT_METHOD] if len(first) == 2 else None
+
+
+def _calls_self(line: str, name: str) -> bool:
+    """Whether ``line`` holds ``self.<name>(`` as code, not in a comment or a string."""
+    seen: list[str] = []
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline):
+            seen = [*seen[-3:], token.string]
+            if seen == ["self", ".", name, "("]:
+                return True
+    except (tokenize.TokenError, SyntaxError):  # a bracket the next line closes
+        pass
+    return False
 
 
 def deferred_encoder_free(free_source: str | _Function) -> bool | None:
@@ -86,41 +106,6 @@ def _last_line(code: CodeType) -> int:
     ends = [end for _, end, _, _ in code.co_positions() if end is not None]
     ends += [_last_line(c) for c in code.co_consts if isinstance(c, CodeType)]
     return max(ends, default=code.co_firstlineno)
-
-
-def _calls_self(line: str, name: str) -> bool:
-    """Whether ``line`` holds ``self.<name>(`` as code, not in a comment or a string."""
-    seen: list[str] = []
-    try:
-        for token in tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline):
-            seen = [*seen[-3:], token.string]
-            if seen == ["self", ".", name, "("]:
-                return True
-    except (tokenize.TokenError, SyntaxError):  # a bracket the next line closes
-        pass
-    return False
-
-
-def _first_calls(method: object) -> dict[str, int] | None:
-    """The line of the first ``self.<name>(`` call of the split and of the encoder check in
-    ``method``, read from the lines its code objects run (no comment, no docstring), without
-    parsing it: parsing vLLM's 800-line ``schedule()`` was most of the patch's time. None
-    where that cannot tell (no code object or file, a call not found): parse it instead."""
-    code = getattr(inspect.unwrap(method), "__code__", None)  # type: ignore[arg-type]
-    if not isinstance(code, CodeType):
-        return None
-    lines, running, codes = linecache.getlines(code.co_filename), set(), [code]
-    while codes:  # nested functions' code too, as ast.walk sees their bodies
-        inner = codes.pop()
-        running |= {line for _, _, line in inner.co_lines() if line is not None}
-        codes += [c for c in inner.co_consts if isinstance(c, CodeType)]
-    first: dict[str, int] = {}
-    for number in sorted(n for n in running if 0 < n <= len(lines)):
-        for name in (SPLIT_METHOD, ENCODER_METHOD):
-            text = lines[number - 1]
-            if name not in first and name in text and _calls_self(text, name):
-                first[name] = number
-    return first if len(first) == 2 else None
 
 
 def _source(cls: type, name: str) -> str | _Function | None:
@@ -156,9 +141,9 @@ def read_evidence(scheduler_cls: type) -> Evidence:
         owner = defining_class(scheduler_cls, "schedule")
         owner_name = owner.__name__ if owner is not None else owner_name
         method = getattr(scheduler_cls, "schedule", None)
-        schedule = (_first_calls(method) if method else None) or _source(scheduler_cls, "schedule")
+        code = getattr(inspect.unwrap(method), "__code__", None) if method else None
         free = _source(scheduler_cls, FREE_METHOD)
-        order = split_after_encoder(schedule) if schedule else None
+        order = split_after_encoder(code) if isinstance(code, CodeType) else None
         deferred = deferred_encoder_free(free) if free else None
     except Exception as exc:  # a host quirk must never break vLLM
         return Evidence(problem=f"{type(exc).__name__}: {exc}", schedule_owner=owner_name)

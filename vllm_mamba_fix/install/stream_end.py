@@ -32,9 +32,9 @@ from typing import Any, NamedTuple
 from vllm_mamba_fix.changes import installation, say_once
 from vllm_mamba_fix.facts.targets import MARKER
 from vllm_mamba_fix.install.import_hook import PostImportHook, initialising
-from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX
-from vllm_mamba_fix.rules.marking import marked
 
+# The rules' end_order and marking are imported when a generator is wrapped (_wrap), not with
+# register(): most processes never import vLLM's serving modules.
 RESULTS_PARAMETER = "result_generator"
 ERROR_CLASS = "GenerationError"
 
@@ -134,13 +134,14 @@ def _engine_sends_errors() -> bool:
 # -- the watch over one stream's results ------------------------------------------------------
 
 
-def ended_message(output: Any) -> str | None:
-    """The plugin's message if ``output`` is its end of a choice with no tokens, else None."""
+def ended_message(output: Any, prefix: str) -> str | None:
+    """The plugin's message (it starts with ``prefix``, ``end_order.CLIENT_MESSAGE_PREFIX``) if
+    ``output`` is its end of a choice with no tokens, else None."""
     reason = getattr(output, "stop_reason", None)
     if (
         getattr(output, "finish_reason", None) == "abort"
         and isinstance(reason, str)
-        and reason.startswith(CLIENT_MESSAGE_PREFIX)
+        and reason.startswith(prefix)
         and not getattr(output, "token_ids", None)
         and not getattr(output, "text", None)
     ):
@@ -155,7 +156,12 @@ class Watch:
     the others itself. Attributes other than the iteration (``aclose``...) are the source's.
     """
 
-    def __init__(self, source: Any, pairs: bool, error_cls: type[Exception]) -> None:
+    def __init__(
+        self, source: Any, pairs: bool, error_cls: type[Exception], prefix: str | None = None
+    ) -> None:
+        if prefix is None:  # handed by _wrap; read here only where a test builds a Watch
+            from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX as prefix
+        self._prefix = prefix
         self._source = source
         self._pairs = pairs
         self._error_cls = error_cls
@@ -186,7 +192,7 @@ class Watch:
             if output.token_ids or output.text:
                 self._streamed.add(key)
             elif self._ended is None and key not in self._streamed:
-                self._ended = ended_message(output)
+                self._ended = ended_message(output, self._prefix)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # never the source's private state (nor a loop before init)
@@ -195,6 +201,9 @@ class Watch:
 
 
 def _wrap(original: Callable[..., Any], shape: Shape, error_cls: type[Exception]) -> Any:
+    from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX
+    from vllm_mamba_fix.rules.marking import marked
+
     parameters = list(inspect.signature(original).parameters)
     position = parameters.index(RESULTS_PARAMETER)  # counts self: args here exclude it
 
@@ -212,7 +221,7 @@ def _wrap(original: Callable[..., Any], shape: Shape, error_cls: type[Exception]
     def _watched(source: Any) -> Any:
         if not callable(getattr(source, "__anext__", None)):
             return source
-        return Watch(source, shape.pairs, error_cls)
+        return Watch(source, shape.pairs, error_cls, CLIENT_MESSAGE_PREFIX)
 
     return marked(wrapper, original, shape)
 
