@@ -341,7 +341,7 @@ def wrapped_without_realign() -> Iterator[None]:
         options = split_rule.WrapOptions(
             family.prefill_gate, ScopePolicy(Scope.MULTIMODAL), realign=False
         )
-        patch.wrap(Scheduler, options)
+        harness.wrap_split(Scheduler, options)
         try:
             yield
         finally:

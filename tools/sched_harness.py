@@ -1480,6 +1480,44 @@ def unload_plugin() -> None:
     vllm_mamba_fix.unregister()
 
 
+def wrap_split(cls: type, options: Any) -> None:
+    """Wrap ``cls``'s own split with the split rule's ``WrapOptions``, as a recorded change of
+    the patcher (``patch.undo`` restores it); with the split rule, its own encoder check too,
+    where not wrapped yet: the rule's ear. Callers run ``check_target`` first."""
+    from vllm_mamba_fix.install import patch
+    from vllm_mamba_fix.rules.encoder_wrapper import EncoderOptions
+    from vllm_mamba_fix.rules.split_rule import make_wrapper
+
+    split = "_mamba_block_aligned_split"
+    _set_as_patch(cls, split, make_wrapper(cls.__dict__[split], options))
+    encoder = "_try_schedule_encoder_inputs"
+    if options.deadlock_rules and encoder in cls.__dict__ and not patch.is_wrapped(cls, encoder):
+        wrap_encoder(cls, EncoderOptions(options.scope, False))
+
+
+def wrap_encoder(cls: type, options: Any) -> None:
+    """Wrap ``cls``'s own encoder-input check (``EncoderOptions``), as :func:`wrap_split`."""
+    from vllm_mamba_fix.rules.encoder_wrapper import make_encoder_wrapper
+
+    name = "_try_schedule_encoder_inputs"
+    _set_as_patch(cls, name, make_encoder_wrapper(cls.__dict__[name], options))
+
+
+def wrap_update(cls: type, options: Any) -> None:
+    """Wrap ``cls``'s own ``update_from_output`` (``EndOptions``: the watchdog, the stall end)."""
+    from vllm_mamba_fix.rules.stall_end import make_update_from_output_wrapper
+
+    name = "update_from_output"
+    _set_as_patch(cls, name, make_update_from_output_wrapper(cls.__dict__[name], options))
+
+
+def _set_as_patch(cls: type, name: str, wrapper: Any) -> None:
+    from vllm_mamba_fix.changes import installation
+    from vllm_mamba_fix.install import patch
+
+    installation.set_attr(cls, name, wrapper, patch.TAG)
+
+
 def split_rule_installed() -> bool:
     """Whether the base split carries the plugin's split (deadlock) rule.
 

@@ -29,6 +29,7 @@ from tests.faults.conftest import (
     FakeVllm,
     LogCapture,
 )
+from tools import sched_harness as harness
 from vllm_mamba_fix import register
 from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.facts import targets
@@ -111,7 +112,7 @@ def test_vllms_own_error_in_the_encoder_method_propagates(fake_vllm: FakeFactory
         options = encoder_wrapper.EncoderOptions(
             ScopePolicy(vllm_mamba_fix.facts.config.Scope.MULTIMODAL), True
         )
-        patch.wrap_encoder(scheduler, options)
+        harness.wrap_encoder(scheduler, options)
         with pytest.raises(VllmOwnError) as excinfo:
             instance._try_schedule_encoder_inputs(_image_request(), 300, 64, 10)
         assert excinfo.value is error

@@ -32,6 +32,7 @@ from tests.faults.conftest import (
     scheduler_method,
     split_as_vllm,
 )
+from tools import sched_harness as harness
 from vllm_mamba_fix import register, unregister
 from vllm_mamba_fix.decide.policy import Rule
 from vllm_mamba_fix.decide.scope import ScopePolicy
@@ -216,7 +217,7 @@ def test_already_patched_by_us_is_not_wrapped_again(
         prefill_gate=versions.PrefillGate.BEFORE_PREFILL_END,
         scope=ScopePolicy(plugin.load_settings().scope),
     )
-    patch.wrap(scheduler, options)
+    harness.wrap_split(scheduler, options)
     ours = scheduler_method(scheduler)
 
     register()
@@ -712,7 +713,7 @@ def test_a_split_bound_on_the_scheduler_by_another_party_is_left_alone(
     image = FakeRequest(has_encoder_inputs=True)
     for request in (text, image, text, image):
         split_as_vllm(sched, request, 100)
-    patch.wrap(scheduler_cls, scheduler_method(scheduler_cls).__vllm_mamba_fix__)
+    harness.wrap_split(scheduler_cls, scheduler_method(scheduler_cls).__vllm_mamba_fix__)
     split_as_vllm(sched, text, 100)
     unregister()
     split_as_vllm(sched, image, 100)

@@ -159,7 +159,7 @@ def test_watchdog_names_it_where_no_rule_ends_it(
 
     def rule_off() -> None:
         harness.unload_plugin()
-        patch.wrap_update(Scheduler, EndOptions(0.0))  # the watchdog alone, at 0 s
+        harness.wrap_update(Scheduler, EndOptions(0.0))  # the watchdog alone, at 0 s
 
     load_plugin()
     try:

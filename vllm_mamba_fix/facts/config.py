@@ -1,11 +1,8 @@
-"""Configuration from environment variables; the only module that reads them, and it only
-reads: the one variable the plugin sets (:data:`METRICS_DIR_VAR`, handed by the API server to
-its engine cores) is set by :mod:`vllm_mamba_fix.observe.metrics` through the record of
-changes (:mod:`vllm_mamba_fix.changes`), which ``unregister()`` undoes.
+"""The plugin's ``VLLM_MAMBA_FIX*`` variables, the one module that reads the environment.
 
-Invalid values never raise: each becomes a problem string (logged once by the
-caller) and the default applies. Doctor reads the raw values through
-:func:`raw_values` too, to show them.
+It only reads: the one variable the plugin sets (:data:`METRICS_DIR_VAR`) is set by
+``observe/metrics.py`` through the record of changes. A bad value never raises: it becomes a
+problem line (logged once by the caller) and the default applies.
 """
 
 from __future__ import annotations
@@ -44,24 +41,15 @@ class Scope(enum.Enum):
 
 
 def builtin_in_scope(request: Any, scope: Scope) -> bool:
-    """The built-in rule: ``multimodal``, requests with encoder inputs; ``all``, every request.
-
-    The one copy: answered directly when no third-party rule is installed, and by
-    :class:`vllm_mamba_fix.decide.scope.BuiltinScope` as the hook's last impl otherwise.
-    """
+    """The built-in rule (``multimodal``: requests with encoder inputs), the one copy: asked
+    directly without a third-party rule, else as the hook's last impl (``scope.BuiltinScope``)."""
     return scope is Scope.ALL or bool(request.has_encoder_inputs)
 
 
 _MODE_VALUES: dict[str, Mode] = {
-    "auto": Mode.AUTO,
-    "1": Mode.AUTO,
-    "true": Mode.AUTO,
-    "on": Mode.AUTO,
-    "0": Mode.OFF,
-    "false": Mode.OFF,
-    "off": Mode.OFF,
-    "force": Mode.FORCE,
-}
+    "auto": Mode.AUTO, "1": Mode.AUTO, "true": Mode.AUTO, "on": Mode.AUTO,
+    "0": Mode.OFF, "false": Mode.OFF, "off": Mode.OFF, "force": Mode.FORCE,
+}  # fmt: skip
 _SCOPE_VALUES: dict[str, Scope] = {scope.value: scope for scope in Scope}
 _SWITCH_VALUES: dict[str, bool] = {
     "1": True, "true": True, "on": True, "0": False, "false": False, "off": False,
@@ -148,14 +136,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     )
     switches = [(name, *_parse(env, name, _SWITCH_VALUES, True)) for name in SWITCHES]
     problems = (mode_problem, scope_problem, stall_problem, end_problem)
-    return Settings(
-        mode=mode,
-        scope=scope,
-        stall_seconds=stall_seconds,
-        end_stalls_after=end_after,
-        switched_off=frozenset(name for name, on, _ in switches if not on),
-        problems=tuple(p for p in (*problems, *(p for _, _, p in switches)) if p),
-    )
+    switched_off = frozenset(name for name, on, _ in switches if not on)
+    problems = tuple(p for p in (*problems, *(p for _, _, p in switches)) if p)
+    return Settings(mode, scope, stall_seconds, end_after, switched_off, problems)
 
 
 def raw_values(
@@ -185,11 +168,8 @@ ALL_VARIABLES = (
 
 
 def vllm_plugins_allows(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether vLLM's ``VLLM_PLUGINS`` lets it load this plugin.
-
-    vLLM's rule: unset loads every plugin; otherwise a comma list of exact
-    names, not stripped, so the empty string loads none.
-    """
+    """Whether vLLM's ``VLLM_PLUGINS`` lets it load this plugin: unset loads every plugin, else
+    a comma list of exact names, not stripped (the empty string loads none)."""
     env = os.environ if environ is None else environ
     raw = env.get(ENV_VLLM_PLUGINS)
     return raw is None or PLUGIN_NAME in raw.split(",")

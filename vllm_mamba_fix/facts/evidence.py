@@ -1,25 +1,20 @@
 """What the installed scheduler's code shows, read once when it is patched.
 
-A version number can mislead: a dev build of 0.28.0 made before upstream's
-fix (#51603) still hangs, and a vendor 0.27.x with the fix backported does
-not. The code tells them apart:
-
-- the split deadlocks when ``Scheduler.schedule`` budgets encoder inputs
-  (``_try_schedule_encoder_inputs``) before it calls
-  ``_mamba_block_aligned_split``;
-- the speculative encoder stall needs ``_free_encoder_inputs`` to defer a free
-  by a look-ahead.
-
-The parsers are pure functions of source text; :func:`read_evidence` is the
-only part that touches a class, and it never raises.
+A version number can mislead (a 0.28 dev build before upstream's fix #51603 still hangs; a
+vendor 0.27.x with it backported does not), so the code decides: the split deadlocks where
+``schedule()`` budgets encoder inputs before its first split call, and the speculative stall
+needs ``_free_encoder_inputs`` to defer a free by a look-ahead. The parsers are pure functions
+of source text; :func:`read_evidence` alone touches a class, and never raises.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import io
 import linecache
 import textwrap
+import tokenize
 from dataclasses import dataclass
 from types import CodeType
 
@@ -39,7 +34,6 @@ class Evidence:
 
 UNREADABLE = Evidence(problem="no scheduler code was read")
 
-
 _Function = ast.FunctionDef | ast.AsyncFunctionDef
 
 
@@ -50,45 +44,55 @@ def _function(source: str | _Function) -> _Function | None:
         tree = ast.parse(textwrap.dedent(source))
     except (SyntaxError, ValueError):
         return None
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            return node
-    return None
+    return next((node for node in tree.body if isinstance(node, _Function)), None)
 
 
-def _first_self_call_lines(function: ast.AST, names: tuple[str, ...]) -> dict[str, int]:
-    """Line of the first ``self.<name>(...)`` call of each name, in source order."""
+def split_after_encoder(schedule: str | CodeType) -> bool | None:
+    """Whether ``schedule()`` (its source, or its code object) budgets encoder inputs before its
+    first split call: the line of each first ``self.<name>(`` call, read from the lines its
+    code runs (no comment, no docstring) and tokenized, never parsed (parsing vLLM's 800-line
+    ``schedule()`` was most of the patch's time)."""
+    if isinstance(schedule, str):
+        source = textwrap.dedent(schedule)
+        try:
+            module = compile(source, "<schedule>", "exec")
+        except (SyntaxError, ValueError):
+            return None
+        code = next((c for c in module.co_consts if isinstance(c, CodeType)), None)
+        lines = source.splitlines(keepends=True)
+    else:
+        code, lines = schedule, linecache.getlines(schedule.co_filename)
+    running, codes = set(), [code] if code is not None else []
+    while codes:  # nested functions' code too
+        inner = codes.pop()
+        running |= {line for _, _, line in inner.co_lines() if line is not None}
+        codes += [c for c in inner.co_consts if isinstance(c, CodeType)]
     first: dict[str, int] = {}
-    for node in ast.walk(function):
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == "self"
-            and node.func.attr in names
-        ):
-            line = node.lineno
-            first[node.func.attr] = min(line, first.get(node.func.attr, line))
-    return first
+    for number in sorted(n for n in running if 0 < n <= len(lines)):
+        for name in (SPLIT_METHOD, ENCODER_METHOD):
+            text = lines[number - 1]
+            if name not in first and name in text and _calls_self(text, name):
+                first[name] = number
+    return first[ENCODER_METHOD] < first[SPLIT_METHOD] if len(first) == 2 else None
 
 
-def split_after_encoder(schedule_source: str | _Function) -> bool | None:
-    """Whether ``schedule()`` budgets encoder inputs before its first split call."""
-    function = _function(schedule_source)
-    if function is None:
-        return None
-    lines = _first_self_call_lines(function, (SPLIT_METHOD, ENCODER_METHOD))
-    if len(lines) != 2:
-        return None
-    return lines[ENCODER_METHOD] < lines[SPLIT_METHOD]
+def _calls_self(line: str, name: str) -> bool:
+    """Whether ``line`` holds ``self.<name>(`` as code, not in a comment or a string."""
+    seen: list[str] = []
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline):
+            seen = [*seen[-3:], token.string]
+            if seen == ["self", ".", name, "("]:
+                return True
+    except (tokenize.TokenError, SyntaxError):  # a bracket the next line closes
+        pass
+    return False
 
 
 def deferred_encoder_free(free_source: str | _Function) -> bool | None:
-    """Whether ``_free_encoder_inputs`` delays a free by a look-ahead.
-
-    Every release that defers names the delay (``spec_lookahead``, or
-    ``num_prefill_lookahead``) in code, not only in comments.
-    """
+    """Whether ``_free_encoder_inputs`` delays a free by a look-ahead: every release that
+    defers names it (``spec_lookahead``, ``num_prefill_lookahead``) in code, not only in
+    comments."""
     function = _function(free_source)
     if function is None:
         return None
@@ -104,24 +108,22 @@ def _last_line(code: CodeType) -> int:
     return max(ends, default=code.co_firstlineno)
 
 
-def _lines_of(function: object) -> _Function | None:
-    """The function parsed from its code object's line span: what ``inspect.getsource``
-    finds, without tokenizing the file (most of start-up's cost on vLLM's long
-    ``schedule()``). None where that cannot tell (Python 3.10, no file): ask inspect."""
-    code = getattr(function, "__code__", None)
-    if not isinstance(code, CodeType) or not hasattr(code, "co_positions"):
-        return None
-    lines = linecache.getlines(code.co_filename)
-    return _function("".join(lines[code.co_firstlineno - 1 : _last_line(code)]))
-
-
 def _source(cls: type, name: str) -> str | _Function | None:
+    """The method parsed from its code object's line span: what ``inspect.getsource`` finds,
+    without tokenizing the file (most of start-up's cost on vLLM's long ``schedule()``);
+    inspect where that cannot tell (Python 3.10, no file)."""
     method = getattr(cls, name, None)
     if method is None:
         return None
     try:
         function = inspect.unwrap(method)
-        return _lines_of(function) or inspect.getsource(function)
+        code = getattr(function, "__code__", None)
+        if isinstance(code, CodeType) and hasattr(code, "co_positions"):
+            lines = linecache.getlines(code.co_filename)
+            parsed = _function("".join(lines[code.co_firstlineno - 1 : _last_line(code)]))
+            if parsed is not None:
+                return parsed
+        return inspect.getsource(function)
     except (OSError, TypeError):
         return None
 
@@ -138,9 +140,10 @@ def read_evidence(scheduler_cls: type) -> Evidence:
         owner_name = scheduler_cls.__name__
         owner = defining_class(scheduler_cls, "schedule")
         owner_name = owner.__name__ if owner is not None else owner_name
-        schedule = _source(scheduler_cls, "schedule")
+        method = getattr(scheduler_cls, "schedule", None)
+        code = getattr(inspect.unwrap(method), "__code__", None) if method else None
         free = _source(scheduler_cls, FREE_METHOD)
-        order = split_after_encoder(schedule) if schedule else None
+        order = split_after_encoder(code) if isinstance(code, CodeType) else None
         deferred = deferred_encoder_free(free) if free else None
     except Exception as exc:  # a host quirk must never break vLLM
         return Evidence(problem=f"{type(exc).__name__}: {exc}", schedule_owner=owner_name)

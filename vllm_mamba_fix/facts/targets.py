@@ -1,8 +1,5 @@
-"""What the plugin touches in vLLM: module, class, method names and their expected shapes.
-
-The one home of these names; the wrappers, the installer, the code evidence and
-doctor import them from here. No vLLM import.
-"""
+"""The names and expected shapes of the vLLM module, class and methods the plugin touches: the
+one home the wrappers, the installer, the code evidence and doctor import. No vLLM import."""
 
 from __future__ import annotations
 
@@ -29,17 +26,19 @@ SPLIT_LEADING_PARAMETERS = ("self", "request", "num_new_tokens")
 # The extra computed-token arguments the waiting loop passes, in order.
 EXTRA_COMPUTED_PARAMETERS = ("num_new_local_computed_tokens", "num_external_computed_tokens")
 # Trailing parameters of every release's split (0.24-0.25 add the third).
-KNOWN_SPLIT_TRAILING_PARAMETERS = (
-    *EXTRA_COMPUTED_PARAMETERS,
-    "num_uncached_common_prefix_tokens",
-)
+KNOWN_SPLIT_TRAILING_PARAMETERS = (*EXTRA_COMPUTED_PARAMETERS, "num_uncached_common_prefix_tokens")
 # Every release from 0.15 to 0.33 has exactly these.
 ENCODER_PARAMETERS = (
     "self", "request", "num_computed_tokens", "num_new_tokens", "encoder_compute_budget",
     "shift_computed_tokens",
 )  # fmt: skip
-FREE_REQUEST_LEADING_PARAMETERS = ("self", "request")
-UPDATE_LEADING_PARAMETERS = ("self", "scheduler_output", "model_runner_output")
+# What the other wrapped methods' parameters start with.
+LEADING_PARAMETERS = {
+    SPLIT_METHOD: SPLIT_LEADING_PARAMETERS,
+    FREE_REQUEST_METHOD: ("self", "request"),
+    UPDATE_METHOD: ("self", "scheduler_output", "model_runner_output"),
+    INIT_METHOD: ("self",),
+}
 
 # Set on the plugin's wrappers (its value: the wrapper's options), so a second patch and
 # the per-scheduler check recognise them.
@@ -53,14 +52,8 @@ def defined_scheduler(module: Any) -> Any:
     bound = getattr(module, SCHEDULER_CLASS, None)
     if not isinstance(bound, type):
         return bound
-    return next(
-        (
-            cls
-            for cls in bound.__mro__
-            if cls.__module__ == module.__name__ and cls.__qualname__ == SCHEDULER_CLASS
-        ),
-        bound,
-    )
+    name = (module.__name__, SCHEDULER_CLASS)
+    return next((c for c in bound.__mro__ if (c.__module__, c.__qualname__) == name), bound)
 
 
 def describe_function(function: Any) -> str:
@@ -87,22 +80,13 @@ def shape_problem(method: Any, qualified: str, name: str) -> str | None:
         shift = signature.parameters.get("shift_computed_tokens")
         if parameters == ENCODER_PARAMETERS and shift is not None and shift.default == 0:
             return None
-        return (
-            f"{qualified} has an unexpected signature ({', '.join(parameters)}); "
-            f"expected ({', '.join(ENCODER_PARAMETERS)}=0)"
-        )
-    leading = {
-        SPLIT_METHOD: SPLIT_LEADING_PARAMETERS,
-        FREE_REQUEST_METHOD: FREE_REQUEST_LEADING_PARAMETERS,
-        UPDATE_METHOD: UPDATE_LEADING_PARAMETERS,
-        INIT_METHOD: ("self",),
-    }[name]
-    if parameters[: len(leading)] != leading:
-        return (
-            f"{qualified} has an unexpected signature "
-            f"({', '.join(parameters)}); expected it to start with ({', '.join(leading)})"
-        )
-    return None
+        expected = f"({', '.join(ENCODER_PARAMETERS)}=0)"
+    else:
+        leading = LEADING_PARAMETERS[name]
+        if parameters[: len(leading)] == leading:
+            return None
+        expected = f"it to start with ({', '.join(leading)})"
+    return f"{qualified} has an unexpected signature ({', '.join(parameters)}); expected {expected}"
 
 
 def check_target(cls: type, name: str = SPLIT_METHOD) -> str | None:

@@ -1,9 +1,6 @@
-"""Release data: how each vLLM family behaves, read from every release's scheduler (0.15.0-0.33.0).
-
-Pure data and ``packaging``; no vLLM import. :mod:`vllm_mamba_fix.decide.policy` turns
-this, the settings and the code evidence into the rules to install. Only what the
-plugin reads is here; what stock does per family that only the tests expect (the cut
-shift, where the image deadlock is, ...) is in ``tools/release_facts.py``.
+"""Release data: how each vLLM family behaves, read from every release's scheduler
+(0.15.0-0.33.0). Only what the plugin reads; what stock does that only the tests expect (the
+cut shift, where the image deadlock is) is ``tools/release_facts.py``. No vLLM import.
 """
 
 from __future__ import annotations
@@ -35,24 +32,21 @@ class Family(NamedTuple):
     verdict: Verdict  # of the split rule
     summary: str
     prefill_gate: PrefillGate | None = PrefillGate.BEFORE_PREFILL_END
-    # Stock defers an encoder-cache free by the drafter's look-ahead (#46315),
-    # which parks a request whose images sit < 2 look-aheads apart.
+    # Stock defers an encoder-cache free by the drafter's look-ahead (#46315): parks a request
+    # whose images sit < 2 look-aheads apart.
     deferred_encoder_free: bool = False
-    # The model runner falls back to token embeddings when the drafter reads an
-    # unencoded input that starts at the processed end (0.24+); before, any
-    # encoder-cache miss asserts, so the 0.33 cut would crash the engine.
+    # The model runner falls back to token embeddings when the drafter reads an unencoded input
+    # at the processed end (0.24+); before, a miss asserts (the 0.33 cut would crash the engine).
     drafter_fallback: bool = True
-    # The split itself stops every chunk that starts mid-block at the next boundary
-    # (0.27+, vLLM #51113). 0.15-0.25 align the chunk length and keep a misaligned request
-    # misaligned; 0.26 stops it only up to its last_cache_position, which EAGLE backs off a
-    # block ("unless it is past the cacheable range"), so under MTP it crosses a boundary
-    # whose block is then cached with a stale state. The plugin re-aligns it there.
+    # The split stops every chunk that starts mid-block at the next boundary (0.27+, #51113);
+    # 0.15-0.25 keep a misaligned request misaligned, and 0.26 stops it only up to its
+    # last_cache_position, which EAGLE backs off a block: under MTP it crosses a boundary whose
+    # block is cached with a stale state. The plugin re-aligns it there.
     stops_mid_block: bool = True
     # The split floors the chunk's end, not its length (absolute-end alignment, 0.26+).
     absolute_end: bool = True
-    # The split advances sub-block through a block wider than its longest chunk (0.27+'s
-    # guard `aligned_end > start or block_size <= max_prefill_tokens`); before, it floors
-    # every chunk but a prompt's last to 0 there.
+    # The split advances sub-block through a block wider than its longest chunk (0.27+'s guard
+    # `aligned_end > start or block_size <= max_prefill_tokens`); before, it floors to 0 there.
     advances_sub_block: bool = True
 
 
@@ -123,7 +117,5 @@ def family_for(version: str) -> Family:
     release = release_of(version)
     if release is None:
         return UNKNOWN_FAMILY
-    for family in FAMILIES:
-        if family.first <= release and (family.end is None or release < family.end):
-            return family
-    return UNKNOWN_FAMILY  # not reached: FAMILIES covers every release
+    found = (f for f in FAMILIES if f.first <= release and (f.end is None or release < f.end))
+    return next(found, UNKNOWN_FAMILY)  # not reached: FAMILIES covers every release

@@ -1,10 +1,6 @@
-"""The one line each scheduler class built logs at start-up, and what goes with it.
-
-The active line is for an operator: at most :data:`ACTIVE_LINE_LIMIT` characters naming the
-version, the class, the rules, the block and the settings changed from their defaults. Why
-each rule runs or is left out, and the methods wrapped, go to a DEBUG line and to the record's
-fields (``reasons``, ``wraps``); doctor reports them too. Warnings come first: a method the fix
-does not reach, and split rules that stand down.
+"""The one line each scheduler class built logs at start-up (at most :data:`ACTIVE_LINE_LIMIT`
+characters: version, class, rules, block, settings changed from their defaults), the warnings
+before it, and why each rule runs or not at DEBUG and in the record's fields.
 """
 
 from __future__ import annotations
@@ -17,16 +13,13 @@ from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix._version import __version__
 from vllm_mamba_fix.changes import say_once
 from vllm_mamba_fix.decide.policy import Rule
-from vllm_mamba_fix.facts.blocks import BlockUnit
 from vllm_mamba_fix.facts.config import Settings
+from vllm_mamba_fix.facts.targets import SPLIT_METHOD
 from vllm_mamba_fix.facts.versions import Family
 from vllm_mamba_fix.observe.record import ClassRecord, MethodState, class_name
-from vllm_mamba_fix.rules import table as rules
 
 
-class Installed(Protocol):
-    """What the line reads of the installation (plugin.py's)."""
-
+class Installed(Protocol):  # what the line reads of plugin.py's installation
     base: type
     settings: Settings
     family: Family
@@ -41,33 +34,26 @@ def _reasons_text(result: ClassRecord) -> str:
     """Why each rule runs or not, and what an inherited rule rides on: the DEBUG line's."""
     parts = [result.plan.describe(frozenset(v.rule for v in result.plan.verdicts))]
     for rule in sorted(result.inherited, key=lambda r: r.value):
-        method = result.method(rules.RULE_METHOD[rule])
+        method = next((m for m in result.methods if rule in m.rules), None)  # its carrier
         parts.append(f"{rule.value} [inherited: {method.note if method else ''}]")
     return "; ".join(p for p in parts if p)
 
 
-def _block_text(unit: BlockUnit | None) -> str:
-    if unit is None:
-        return "block unknown (dry run)"
-    if unit.mamba is None:
-        return "block none"
-    return f"block {unit.mamba} (cache_config {unit.configured})" if unit.differs else (
-        f"block {unit.mamba}"
-    )  # fmt: skip
-
-
 def _active_line(result: ClassRecord, installed: Installed) -> str:
     """``vllm-mamba-fix <version> active: <class> carries <rule>, ... [block N; <notes>;
-    <setting>=<value>, ...] (vLLM <version>, pid N)``: the settings away from their
-    defaults only; at most :data:`ACTIVE_LINE_LIMIT` characters (the class's short name,
-    then a count of the settings, where the whole would be longer)."""
+    <setting>=<value>, ...] (vLLM <version>, pid N)``; where longer than the limit, the
+    class's short name, then a count of the settings."""
     cls = result.scheduler_class
     carried = ", ".join(
         f"{r.value} (inherited)" if r in result.inherited else r.value
         for r in Rule
         if r in result.rules
     )
-    notes = [_block_text(result.block)] + (["split rules idle"] if result.split_idle else [])
+    unit = result.block
+    block = "block unknown (dry run)" if unit is None else f"block {unit.mamba or 'none'}"
+    if unit is not None and unit.differs:
+        block += f" (cache_config {unit.configured})"
+    notes = [block] + (["split rules idle"] if result.split_idle else [])
     changed = [f"{k}={v}" for k, v in installed.settings.changed().items()]
     short = cls.rsplit(".", 1)[-1]
     counted = [f"{len(changed)} settings changed"] if changed else []
@@ -84,22 +70,21 @@ def _active_line(result: ClassRecord, installed: Installed) -> str:
 
 
 def _warn_unreached(result: ClassRecord, installed: Installed) -> None:
-    """One warning per method the class keeps from the fix, and where the split rules stand
-    down."""
+    """One warning per method the class keeps from the fix, and where the split rules stand down."""
     base, cls = class_name(installed.base), result.scheduler_class
     for method in result.methods:
         if method.owner == base and method.name in installed.unpatchable_on_base:
             continue
         if method.state in (MethodState.OVERRIDDEN, MethodState.UNPATCHABLE):
             text = f"{cls}: {method.describe()}; the fix does not reach it"
-            say_once(
-                logging.WARNING, text, event="not-reached", scheduler_class=cls, method=method.name
-            )
+            where = {"event": "not-reached", "scheduler_class": cls, "method": method.name}
+            say_once(logging.WARNING, text, **where)
         elif method.state is MethodState.WRAPPED_REPLACEMENT:
             text = f"{cls}: {method.describe()}"
             say_once(logging.WARNING, text, scheduler_class=cls, method=method.name)
     unit = result.block
-    runs_split = bool(result.rules & rules.SPLIT_RULES)
+    split = result.method(SPLIT_METHOD)
+    runs_split = split is not None and bool(result.rules & split.rules)
     if unit is not None and unit.mamba is None and not unit.no_mamba and runs_split:
         text = f"the split rules stand down for {cls}: {unit.problem}"
         say_once(
@@ -108,8 +93,7 @@ def _warn_unreached(result: ClassRecord, installed: Installed) -> None:
 
 
 def log_record(result: ClassRecord, installed: Installed) -> None:
-    """The class's one INFO line (active, or not needed); its reasons at DEBUG and in the
-    records' fields."""
+    """The class's one INFO line (active, or not needed); its reasons at DEBUG and in fields."""
     _warn_unreached(result, installed)
     cls, unit = result.scheduler_class, result.block
     idle = f"; split rules idle: {result.split_idle}" if result.split_idle else ""

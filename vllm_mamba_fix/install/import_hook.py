@@ -1,19 +1,11 @@
 """Run a callback on the scheduler module once it is imported, without importing it early.
 
-Processes that never import the scheduler (the front end, the workers) must not pay
-for importing it just to patch it. wrapt's post-import hooks do the same job but
-would add a compiled dependency and cannot be removed, which ``unregister()`` and
-doctor's dry run need; the semantics here follow wrapt's:
-
-- the callback runs once, on the import that succeeds: a failed first import keeps
-  the hook for the next try;
-- a module that another thread is importing is waited for, never read half-built;
-- a ``find_spec`` that only probes (``importlib.util.find_spec``) does not use the hook up.
-
-A hook on ``sys.meta_path`` is a change of the process: :meth:`PostImportHook.install` makes
-it through the record of changes (:data:`vllm_mamba_fix.changes.installation`), so
-``unregister()`` takes every armed hook off the path; the scheduler's pending hook is the one
-recorded under :data:`TAG` (:func:`pending_hook`).
+Processes that never import the scheduler (the front end, the workers) must not pay for it.
+wrapt's post-import hooks would add a compiled dependency and cannot be removed, which
+``unregister()`` and doctor's dry run need; the semantics follow wrapt's: the callback runs
+once, on the import that succeeds (a failed import keeps the hook); a module another thread is
+importing is waited for, never read half-built; a probing ``find_spec`` does not use the hook
+up. The hook on ``sys.meta_path`` is a recorded change (:data:`TAG`: :func:`pending_hook`).
 """
 
 from __future__ import annotations
@@ -30,6 +22,9 @@ from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.facts.targets import SCHEDULER_MODULE
 
 TAG = __name__  # the scheduler module's hook in the record of changes
+# The installation's one lock: register(), the deferred patch, each built scheduler's check and
+# unregister() (re-entrant: the patch settles the base under it).
+lock = threading.RLock()
 
 
 class _NotifyingLoader(importlib.abc.Loader):
@@ -75,18 +70,13 @@ class PostImportHook(importlib.abc.MetaPathFinder):
             return None
         self._searching.active = True
         try:
-            for finder in list(sys.meta_path):
-                find_spec = getattr(finder, "find_spec", None)
-                if finder is self or find_spec is None:
-                    continue
-                spec = find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-            else:
-                return None
+            finders = [f for f in sys.meta_path if f is not self]
+            found = (getattr(f, "find_spec", None) for f in finders)
+            specs = (find(fullname, path, target) for find in found if find is not None)
+            spec = next((s for s in specs if s is not None), None)
         finally:
             self._searching.active = False
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         spec.loader = _NotifyingLoader(spec.loader, self._on_loaded)
         return spec
@@ -101,16 +91,14 @@ def pending_hook() -> PostImportHook | None:
     return armed[-1].value if armed else None
 
 
-def _initialising(module: ModuleType) -> bool:
+def initialising(module: ModuleType) -> bool:
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 def _wait_for_import_in_progress(name: str) -> None:
-    """Block while another thread holds ``name``'s import lock (CPython's per-module lock).
-
-    Only CPython's private ``_ModuleLockManager`` can wait on that lock without starting
-    an import ourselves; where it is missing, or waiting would deadlock, we do not wait.
-    """
+    """Block while another thread holds ``name``'s import lock: only CPython's private
+    ``_ModuleLockManager`` waits on it without starting an import; where it is missing, or
+    waiting would deadlock, this does not wait."""
     try:
         from importlib._bootstrap import _ModuleLockManager  # type: ignore[attr-defined]
 
@@ -121,11 +109,9 @@ def _wait_for_import_in_progress(name: str) -> None:
 
 
 def when_scheduler_imported(callback: Callable[[ModuleType], None]) -> bool:
-    """Run ``callback`` on the scheduler module now if it is imported, else on its import.
-
-    Returns True when the callback ran now. Call it with no lock held that the callback
-    takes: it may wait for another thread's import, whose callback takes that lock.
-    """
+    """Run ``callback`` on the scheduler module now if it is imported (True), else on its
+    import. Call it with no lock held that the callback takes: it may wait for another
+    thread's import, whose callback takes that lock."""
     done = threading.Event()
 
     def run_once(module: ModuleType) -> None:
@@ -133,7 +119,7 @@ def when_scheduler_imported(callback: Callable[[ModuleType], None]) -> bool:
             if done.is_set():
                 return
             done.set()
-            cancel_pending_hook()  # used up
+            installation.undo(lambda c: c.tag == TAG)  # the hook, used up
         callback(module)
 
     with _hook_lock:
@@ -146,12 +132,7 @@ def when_scheduler_imported(callback: Callable[[ModuleType], None]) -> bool:
     # executing it. Wait for it, then look again.
     _wait_for_import_in_progress(SCHEDULER_MODULE)
     module = sys.modules.get(SCHEDULER_MODULE)
-    if module is None or _initialising(module):
+    if module is None or initialising(module):
         return False  # the hook runs the callback (a same-thread import in progress, too)
     run_once(module)
     return True
-
-
-def cancel_pending_hook() -> bool:
-    """Take the scheduler module's armed hook off ``sys.meta_path``; whether one was armed."""
-    return installation.undo(lambda c: c.tag == TAG)

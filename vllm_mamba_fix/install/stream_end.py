@@ -6,31 +6,12 @@
 # Runs on:  0.15.0-0.32.x, on a generator whose source shows that skip (read_shape).
 # Decided:  by vLLM's code, never by the version.
 # Removed:  0.33 sends a RequestError that vLLM streams itself (EngineCoreOutput.error).
-"""A streaming client learns that the plugin ended its request (vLLM 0.15-0.32's API server).
-
-The stall end (:mod:`vllm_mamba_fix.rules.stall_end`) finishes a request with ``FinishReason.ABORT``
-and its cause as ``stop_reason``. A client that does not stream reads both. A streaming one,
-on 0.15-0.32, does not. There, the chat and completions stream generators skip any output with
-no text, no tokens and no earlier tokens before they look at ``finish_reason`` ("Chunked
-prefill case, don't return empty chunks"). A request ended at 0 tokens gets the role chunk,
-then ``[DONE]``: an empty answer that looks like a success.
-
-No engine-side output gets past that skip. The skip reads only the text and the token ids, and
-text needs a token. So this module wraps the two generators in the API-server process, and the
-wrap only touches their ``result_generator`` argument. Each item passes through unchanged (the
-same object). If a choice finished ``abort`` with the plugin's message and no token was ever
-streamed for it, then at the end of the results it raises the release's own
-``GenerationError(message)``. That exception is the one vLLM raises for ``finish_reason ==
-"error"``, and the generator's own ``except GenerationError`` turns it into vLLM's stream
-error event (``data: {"error": {...}}``), then ``[DONE]``. 0.33 sends a ``RequestError`` the
-same way.
-
-Applied only where the generator's source shows that skip (:func:`read_shape`); otherwise
-one warning line, and the generator stays stock.
-
-:func:`attach` is idempotent. The wrappers and the import hooks are changes recorded in
-:data:`vllm_mamba_fix.changes.installation` (:data:`TAG`, :data:`HOOK_TAG`): ``unregister()``
-undoes them with the rest, :func:`detach` alone restores vLLM's methods and removes the hooks.
+"""No engine-side output gets past that skip ("Chunked prefill case, don't return empty
+chunks"), so in the API server each generator's ``result_generator`` is watched, each item
+passed on unchanged; a choice the plugin ended (``abort``, its cause as ``stop_reason``) with no
+token streamed raises the release's ``GenerationError`` at the end, which the generator's own
+``except`` turns into vLLM's error event before ``[DONE]``. Every wrapper and import hook is a
+recorded change (:data:`TAG`, :data:`HOOK_TAG`).
 """
 
 from __future__ import annotations
@@ -45,22 +26,20 @@ import sys
 import textwrap
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_mamba_fix.changes import installation, say_once
 from vllm_mamba_fix.facts.targets import MARKER
-from vllm_mamba_fix.install.import_hook import PostImportHook
-from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX
-from vllm_mamba_fix.rules.marking import marked
+from vllm_mamba_fix.install.import_hook import PostImportHook, initialising
 
+# The rules' end_order and marking are imported when a generator is wrapped (_wrap), not with
+# register(): most processes never import vLLM's serving modules.
 RESULTS_PARAMETER = "result_generator"
 ERROR_CLASS = "GenerationError"
 
 
-@dataclass(frozen=True)
-class Target:
+class Target(NamedTuple):
     module: str
     cls: str
     method: str
@@ -74,8 +53,7 @@ TARGETS = (
 )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Shape:
+class Shape(NamedTuple):
     """What a stream generator's source shows. ``applies``: the skip drops the finish."""
 
     applies: bool
@@ -86,14 +64,9 @@ class Shape:
 # -- the code's shape -------------------------------------------------------------------------
 
 
-def _names(node: ast.AST) -> set[str]:
-    found: set[str] = set()
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Name):
-            found.add(sub.id)
-        elif isinstance(sub, ast.Attribute):
-            found.add(sub.attr)
-    return found
+def _name(node: ast.AST) -> str:
+    """``delta_text`` of ``delta_text``, ``token_ids`` of ``output.token_ids``, else ''."""
+    return getattr(node, "id", None) or getattr(node, "attr", "")
 
 
 def _is_empty_skip(node: ast.AST) -> bool:
@@ -104,7 +77,7 @@ def _is_empty_skip(node: ast.AST) -> bool:
     if not (isinstance(node.body[0], ast.Continue) and isinstance(test, ast.BoolOp)):
         return False
     negated = [
-        _terminal(v.operand) for v in test.values
+        _name(v.operand) for v in test.values
         if isinstance(v, ast.UnaryOp) and isinstance(v.op, ast.Not)
     ]  # fmt: skip
     return (
@@ -112,13 +85,6 @@ def _is_empty_skip(node: ast.AST) -> bool:
         and any(name.endswith("text") for name in negated)
         and any(name.endswith("token_ids") for name in negated)
     )
-
-
-def _terminal(node: ast.AST) -> str:
-    """``delta_text`` of ``delta_text``, ``token_ids`` of ``output.token_ids``, else ''."""
-    if isinstance(node, ast.Name):
-        return node.id
-    return node.attr if isinstance(node, ast.Attribute) else ""
 
 
 def _yields_on_error(node: ast.AST) -> bool:
@@ -148,10 +114,10 @@ def read_shape(source: str) -> Shape:
     if len(loops) != 1:
         return Shape(False, f"it has no single `async for` over {RESULTS_PARAMETER}")
     pairs = isinstance(loops[0].target, ast.Tuple) and len(loops[0].target.elts) == 2
-    skips = [n for n in ast.walk(loops[0]) if _is_empty_skip(n)]
+    skips = [n for n in ast.walk(loops[0]) if isinstance(n, ast.If) and _is_empty_skip(n)]
     if not skips:
         return Shape(False, "no skip of empty outputs was found")
-    if any("finish_reason" in _names(skip.test) for skip in skips):  # type: ignore[attr-defined]
+    if any("finish_reason" in map(_name, ast.walk(skip.test)) for skip in skips):
         return Shape(False, "its skip keeps a finishing output (vLLM sends the finish)")
     if not any(_yields_on_error(n) for n in ast.walk(function)):
         return Shape(False, f"it has no `except {ERROR_CLASS}` that yields an error event")
@@ -168,13 +134,14 @@ def _engine_sends_errors() -> bool:
 # -- the watch over one stream's results ------------------------------------------------------
 
 
-def ended_message(output: Any) -> str | None:
-    """The plugin's message if ``output`` is its end of a choice with no tokens, else None."""
+def ended_message(output: Any, prefix: str) -> str | None:
+    """The plugin's message (it starts with ``prefix``, ``end_order.CLIENT_MESSAGE_PREFIX``) if
+    ``output`` is its end of a choice with no tokens, else None."""
     reason = getattr(output, "stop_reason", None)
     if (
         getattr(output, "finish_reason", None) == "abort"
         and isinstance(reason, str)
-        and reason.startswith(CLIENT_MESSAGE_PREFIX)
+        and reason.startswith(prefix)
         and not getattr(output, "token_ids", None)
         and not getattr(output, "text", None)
     ):
@@ -189,7 +156,12 @@ class Watch:
     the others itself. Attributes other than the iteration (``aclose``...) are the source's.
     """
 
-    def __init__(self, source: Any, pairs: bool, error_cls: type[Exception]) -> None:
+    def __init__(
+        self, source: Any, pairs: bool, error_cls: type[Exception], prefix: str | None = None
+    ) -> None:
+        if prefix is None:  # handed by _wrap; read here only where a test builds a Watch
+            from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX as prefix
+        self._prefix = prefix
         self._source = source
         self._pairs = pairs
         self._error_cls = error_cls
@@ -220,7 +192,7 @@ class Watch:
             if output.token_ids or output.text:
                 self._streamed.add(key)
             elif self._ended is None and key not in self._streamed:
-                self._ended = ended_message(output)
+                self._ended = ended_message(output, self._prefix)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # never the source's private state (nor a loop before init)
@@ -229,6 +201,9 @@ class Watch:
 
 
 def _wrap(original: Callable[..., Any], shape: Shape, error_cls: type[Exception]) -> Any:
+    from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX
+    from vllm_mamba_fix.rules.marking import marked
+
     parameters = list(inspect.signature(original).parameters)
     position = parameters.index(RESULTS_PARAMETER)  # counts self: args here exclude it
 
@@ -246,7 +221,7 @@ def _wrap(original: Callable[..., Any], shape: Shape, error_cls: type[Exception]
     def _watched(source: Any) -> Any:
         if not callable(getattr(source, "__anext__", None)):
             return source
-        return Watch(source, shape.pairs, error_cls)
+        return Watch(source, shape.pairs, error_cls, CLIENT_MESSAGE_PREFIX)
 
     return marked(wrapper, original, shape)
 
@@ -312,7 +287,7 @@ def attach() -> None:
     try:
         for target in TARGETS:
             module = sys.modules.get(target.module)
-            if module is not None and not _initialising(module):
+            if module is not None and not initialising(module):
                 _install(module, target)
                 continue
             if not _has_source(target.module):
@@ -333,10 +308,6 @@ def _has_source(name: str) -> bool:
     roots = getattr(vllm, "__path__", None) or getattr(spec, "submodule_search_locations", None)
     relative = name.split(".")[1:]
     return any(os.path.isfile(os.path.join(root, *relative) + ".py") for root in roots or ())
-
-
-def _initialising(module: ModuleType) -> bool:
-    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 def _on_import(target: Target, module: ModuleType) -> None:
