@@ -43,6 +43,7 @@ import contextlib
 import itertools
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 from tools import sched_harness as harness
 from vllm_mamba_fix.decide import decision
@@ -113,8 +114,7 @@ def whole_block_tail() -> Iterator[None]:
         split_rule.decide = decide  # type: ignore[assignment]
 
 
-@contextlib.contextmanager
-def kept_whole_block() -> Iterator[None]:
+def kept_whole_block() -> contextlib.AbstractContextManager[Any]:
     """The split rule's encoder stop as 0.28 answers it: `decide` never told `tail_frees`."""
     decide = split_rule.decide
 
@@ -122,11 +122,7 @@ def kept_whole_block() -> Iterator[None]:
                  tail_frees: bool | None = None) -> decision.Decision:  # fmt: skip
         return decide(stock, n, start, block, uncut, None)
 
-    split_rule.decide = deciding  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        split_rule.decide = decide  # type: ignore[assignment]
+    return mock.patch.object(split_rule, "decide", deciding)
 
 
 def release_waiting_references(scheduler: Any) -> None:
