@@ -264,7 +264,14 @@ def log_summary() -> None:
             "vllm-mamba-fix: this process prevented %d collapses, re-aligned %d chunks, "
             "stopped %d chunks at an encoder input, released %d speculative stalls, aligned %d "
             "chunks to the cache's block, named %d stalls (%d moved again) and ended %d",
-            *(counts[key] for key in KEYS if key != "encoder_references_dropped"),  # in order
+            counts["collapses_prevented"],
+            counts["chunks_realigned"],
+            counts["chunks_stopped_at_encoder_input"],
+            counts["speculative_stalls_released"],
+            counts["block_rule_chunks"],
+            counts["stalls_detected"],
+            counts["stalls_resolved"],
+            counts["stalls_ended"],
             extra=fields("summary", counts=counts),
         )
 
