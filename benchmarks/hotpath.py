@@ -558,14 +558,16 @@ def _timed_step(scheduler: Any, sink: list[int]) -> None:
     """Shadow ``schedule`` and ``update_from_output``: each step's sink entry is the sum of
     both (the harness's fake model runner between them is not timed)."""
     clock = time.perf_counter_ns
+    cls = type(scheduler)
     for name in ("schedule", "update_from_output"):
-        bound = getattr(type(scheduler), name).__get__(scheduler)
-
-        def timed(*args: Any, _bound: Any = bound, _name: str = name, **kwargs: Any) -> Any:
+        # Looked up on the class at each call: the arm installed for this step runs (a method
+        # bound here would keep the class's method of this moment for every arm).
+        def timed(*args: Any, _name: str = name, **kwargs: Any) -> Any:
+            method = getattr(cls, _name)
             gc.disable()
             t0 = clock()
             try:
-                return _bound(*args, **kwargs)
+                return method(scheduler, *args, **kwargs)
             finally:
                 elapsed = clock() - t0
                 gc.enable()

@@ -27,7 +27,7 @@ import vllm_mamba_fix
 from tools import scenarios as sc
 from tools import sched_harness as harness
 from tools.sched_harness import HarnessConfig, Mode, RequestSpec
-from vllm_mamba_fix.facts.blocks import CacheConfigView
+from vllm_mamba_fix.facts.blocks import CacheConfigView, configured_cache_config
 from vllm_mamba_fix.facts.versions import Family, Verdict
 
 PACKAGE = str(Path(vllm_mamba_fix.__file__).resolve().parent) + "/"
@@ -145,3 +145,40 @@ def test_an_engaged_call_enters_no_more_files(
     view = vars(h.scheduler)["cache_config"]
     assert isinstance(view, CacheConfigView) and view.block_size == 256, "not engaged"
     _assert_calls(calls)
+
+
+def test_vllm_reads_the_engaged_view_without_package_code(
+    sched_mode: Mode, load_plugin: Any
+) -> None:
+    """Every field of the view but its block is the live config's, read by vLLM with no
+    package function running (0.34's ``update_from_output`` reads
+    ``cache_config.enable_prefix_caching`` once per request; a proxy's ``__getattr__`` ran
+    there on every read)."""
+    load_plugin()  # the block-unit rule: every release with the split, 0.34 included
+    try:
+        h = harness.Harness(sched_mode.apply(dataclasses.replace(ENGAGED)))
+    except (ValueError, harness.ModeUnsupported) as exc:
+        pytest.skip(f"this release rejects the configuration: {exc}")
+    h.add(*ENGAGED_REQUESTS)
+    h.run(max_steps=3)
+    view = vars(h.scheduler)["cache_config"]
+    real = configured_cache_config(h.scheduler)
+    assert isinstance(view, CacheConfigView), "not engaged"
+    names = [f.name for f in dataclasses.fields(real) if f.name != "block_size"]
+    entered: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        read = [getattr(view, name) for name in names]
+    finally:
+        sys.setprofile(None)
+    assert not entered, f"package code ran on vLLM's reads: {sorted(set(entered))}"
+    assert read == [getattr(real, name) for name in names]
+    assert isinstance(view, type(real))  # what vLLM may check of its config
+    assert (view.block_size, real.block_size) == (256, 128)
+    real.num_gpu_blocks_override = 7  # a change of the live config reads through
+    assert view.num_gpu_blocks_override == 7

@@ -72,19 +72,42 @@ class BlockUnit:
 
 
 class CacheConfigView:
-    """``cache_config`` under the block-unit rule: the cache's block, the rest the live config's."""
+    """``cache_config`` under the block-unit rule: the cache's block, the rest the live config's.
+    Made by :func:`view_of`; ``isinstance(x, CacheConfigView)`` tells a view."""
 
-    __slots__ = ("_real", "block_size")
+    __slots__ = ()
+    _real: Any
 
-    def __init__(self, real: Any, block_size: int) -> None:
-        object.__setattr__(self, "_real", real)
-        object.__setattr__(self, "block_size", block_size)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+def _write_through(view: Any, name: str, value: Any) -> None:
+    setattr(view._real, name, value)  # block_size too: the view keeps the cache's
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._real, name, value)
+
+def view_of(real: Any, block_size: int) -> CacheConfigView:
+    """A view of ``real`` whose ``block_size`` is the cache's. It is a subclass of the config's
+    class sharing its instance ``__dict__``, so vLLM reads every other field live at C speed
+    (0.34's ``update_from_output`` reads ``cache_config.enable_prefix_caching`` per request: a
+    ``__getattr__`` proxy cost an engaged step about 3%). Where the class allows no such
+    subclass, a proxy that forwards each read."""
+    members = {"__slots__": ("_real", "block_size"), "__setattr__": _write_through}
+    try:
+        cls = type(
+            f"CacheConfigView[{type(real).__name__}]", (CacheConfigView, type(real)), members
+        )
+        view = type(real).__new__(cls)
+        object.__setattr__(view, "__dict__", vars(real))
+    except Exception:  # no instance __dict__, or a class that takes no subclass of this shape
+        cls = type(
+            "CacheConfigView[proxy]", (CacheConfigView,), {**members, "__getattr__": _read_through}
+        )
+        view = cls()
+    object.__setattr__(view, "_real", real)
+    object.__setattr__(view, "block_size", block_size)
+    return view
+
+
+def _read_through(view: Any, name: str) -> Any:
+    return getattr(view._real, name)
 
 
 @dataclass(frozen=True)

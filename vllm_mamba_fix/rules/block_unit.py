@@ -31,7 +31,7 @@ from typing import Any
 
 from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix.decide.decision import tokens_to_next_boundary
-from vllm_mamba_fix.facts.blocks import CACHE_CONFIG_ATTR, BlockUnit, CacheConfigView
+from vllm_mamba_fix.facts.blocks import CACHE_CONFIG_ATTR, BlockUnit, CacheConfigView, view_of
 from vllm_mamba_fix.facts.config import ENV_BLOCK_RULE
 
 
@@ -58,7 +58,7 @@ def view_for(scheduler: Any, unit: BlockUnit, block_rule: bool) -> CacheConfigVi
         return None
     extra = fields("block-engaged", rule="block-unit", **sizes)
     logger.info("vllm-mamba-fix: %s", unit.engaged_line(name), extra=extra)
-    return CacheConfigView(current, int(unit.mamba or 0))
+    return view_of(current, int(unit.mamba or 0))
 
 
 def asked_through(view: CacheConfigView, split: Callable[..., int], scheduler: Any,
