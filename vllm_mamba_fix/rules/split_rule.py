@@ -23,6 +23,7 @@ anything of its own into vLLM. No vLLM import.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -103,17 +104,17 @@ def _known_signature(
             answer = original(self, request, num_new_tokens, local, external)
         else:
             answer = original(self, request, num_new_tokens, local, external, uncached)
-        if state.quiet:
-            return answer
         try:
-            if answer == num_new_tokens:
-                if not state.whole_chunks_cross:
+            if answer == num_new_tokens:  # a whole chunk (every decode)
+                if not state.whole_chunks_cross:  # also where quiet
                     return answer
                 start = request.num_computed_tokens + local + external
                 if stays_in_block(start, answer, state.size) and (
                     answer >= state.size or start % state.size or not getattr(self, "use_eagle", 0)
                 ):  # a sub-block chunk from a boundary under EAGLE: see eagle_remainder_waits
                     return answer
+            elif state.quiet:
+                return answer
             elif not answer and (takes is None or not takes(request)):
                 return answer  # a 0 out of the split rule's reach (re-aligning never acts)
         except Exception as exc:
@@ -190,7 +191,8 @@ class SplitRule:
             return state
         except Exception as exc:
             self._settle_failed(exc, None)
-            state = SplitState(0, quiet=True, settled_for=self.options)  # stand down, once
+            # Stand down, once.
+            state = SplitState(0, quiet=True, whole_chunks_cross=False, settled_for=self.options)
             installation.set_on(scheduler, SPLIT_ATTR, state)
             return state
 
@@ -375,7 +377,7 @@ def _scope_test(scope: Any) -> Callable[[Any], bool]:
     except Exception:  # a scope of another kind: it answers for itself, per request
         builtin = None
     if builtin is Scope.MULTIMODAL:
-        return lambda request: bool(request.has_encoder_inputs)
+        return operator.attrgetter("has_encoder_inputs")  # no frame of its own per call
     if builtin is Scope.ALL:
         return lambda request: True
     return scope.in_scope

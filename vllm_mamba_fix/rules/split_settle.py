@@ -98,8 +98,11 @@ def settle(scheduler: Any, options: WrapOptions) -> tuple[SplitState, BlockUnit]
     # The block vLLM's answer is floored in: the cache's where the view is engaged, else the
     # configured one (starved: stopped at the cache's boundary on the slow path).
     split_block = state.size if state.view is not None else state.configured
-    cross = state.starved or whole_chunks_may_cross(
-        realigns, not options.realign_others, split_block or state.size, state.size
+    cross = not quiet and (
+        state.starved
+        or whole_chunks_may_cross(
+            realigns, not options.realign_others, split_block or state.size, state.size
+        )
     )
     state = dataclasses.replace(state, quiet=quiet, settled_for=options, whole_chunks_cross=cross)
     installation.set_on(scheduler, SPLIT_ATTR, state)
