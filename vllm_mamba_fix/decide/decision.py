@@ -16,8 +16,6 @@ from typing import NamedTuple
 
 
 class Action(enum.Enum):
-    """What the wrapper did to the stock result."""
-
     UNCHANGED = "unchanged"
     COLLAPSE_PREVENTED = "collapse-prevented"  # stock floored a sub-block chunk to 0
     # A chunk from mid-block would have crossed the next boundary (a block cached with the
@@ -40,7 +38,6 @@ class Decision(NamedTuple):
 
 
 def tokens_to_next_boundary(start: int, block_size: int) -> int:
-    """Tokens from ``start`` up to and including the next block boundary."""
     return block_size - start % block_size
 
 
@@ -52,19 +49,11 @@ def decide(
     uncut_stock_tokens: int | None = None,
     tail_frees: bool | None = None,
 ) -> Decision:
-    """Correct the stock result of ``_mamba_block_aligned_split`` for a prefill chunk.
-
-    ``stock_tokens``: vLLM's answer for at most ``num_new_tokens`` from ``start``;
-    ``uncut_stock_tokens``: where the encoder check cut the chunk, vLLM's answer for the chunk
-    it was asked (its own stops kept).
-
-    - Collapse: stock floored a chunk with tokens to 0: schedule what fits.
-    - Re-align: a chunk starting mid-block ends by the next boundary, so that block is cached
-      with its own state.
-    - Encoder stop: an encoder cut ends at the input, as upstream (0.28). Not past a
-      whole-block answer to a mid-block cut when ``tail_frees`` is False (:func:`tail_frees_room`):
-      the input waits on another request or the budget, and a chunk ended mid-block costs a
-      re-aligned chunk next step (issue 44 item 4).
+    """Correct vLLM's split answer ``stock_tokens`` (``uncut_stock_tokens``: its answer for
+    the chunk asked, where the encoder check cut it). Re-align: a chunk from mid-block ends by
+    the next boundary, so that block is cached with its own state. An encoder cut ends at the
+    input, as 0.28; not past a whole-block answer to a mid-block cut when ``tail_frees`` is
+    False: a chunk ended mid-block costs a re-aligned chunk next step (issue 44 item 4).
     """
     if num_new_tokens <= 0 or block_size <= 0 or stock_tokens < 0:
         return Decision(stock_tokens, Action.UNCHANGED)
@@ -88,20 +77,17 @@ def decide(
 
 
 def tail_frees_room(need: int, room: int, own_in_tail: int) -> bool:
-    """Whether computing a cut chunk's tail (past the split's whole-block answer, up to the
-    input at the cut) frees the cache room that input waits for: it does not fit now (``room``:
-    the slots left once every other reference and its own inputs stay) and fits once its own
-    inputs ending in the tail are freed. Else it fits already (the step's encoder budget kept
-    it out) or waits on another request either way.
-    """
+    """Whether computing a cut chunk's tail frees the cache room the input at the cut waits
+    for (``room``: the slots left while every reference stays); else it fits already or waits
+    on another request either way."""
     return room < need <= room + own_in_tail
 
 
 def can_need_correction(
     stock_tokens: int, num_new_tokens: int, start: int, block_size: int
 ) -> bool:
-    """False when :func:`decide` keeps the stock result whatever else holds (the fast path: a
-    full chunk that stays inside its block or starts on a boundary)."""
+    """False: :func:`decide` keeps the stock result (a full chunk inside its block or from a
+    boundary: the fast path)."""
     if stock_tokens != num_new_tokens:
         return True
     offset = start % block_size
@@ -125,11 +111,9 @@ def configured_floor_differs(
     absolute_end: bool,
     final: bool,
 ) -> bool:
-    """Whether vLLM's floor to ``configured_block`` ends ``[start, start + num_new_tokens)``
-    elsewhere than ``start + chunk``: a chunk the block-unit rule changed. By arithmetic (the
-    split's other stops are the same in both blocks): ``absolute_end``, 0.26+ floor the end and
-    stop a mid-block start at the next boundary, 0.15-0.25 the length; ``final``, no floor.
-    """
+    """Whether vLLM's floor to ``configured_block`` ends the chunk elsewhere than ``start +
+    chunk`` (the block-unit rule changed it): ``absolute_end``, 0.26+ floor the end and stop a
+    mid-block start at the next boundary, 0.15-0.25 the length; ``final``, no floor."""
     if chunk <= 0 or configured_block <= 0:
         return False
     if final:
@@ -164,14 +148,10 @@ class StallRelease(NamedTuple):
 def speculative_stall_release(
     computed: int, shift: int, held: Mapping[int, tuple[int, int]]
 ) -> StallRelease:
-    """Whether a request that got 0 tokens is parked by its own encoder input (``held``: its
-    cached inputs' placeholder ``(offset, length)``; ``shift``: the drafter's look-ahead).
-
-    vLLM 0.24-0.32 cut ``shift`` tokens before an input they cannot schedule and free a held
-    input only ``shift`` tokens past its end, so one ending within ``computed + shift`` keeps
-    the cache full: one ending by ``computed`` is freed now, else the cut drops the shift
-    (both 0.33's way).
-    """
+    """Whether a request that got 0 tokens is parked by its own held inputs (``(offset,
+    length)`` each): vLLM 0.24-0.32 cut ``shift`` tokens before an input and free a held one
+    only ``shift`` past its end, so one ending within ``computed + shift`` keeps the cache
+    full; one ending by ``computed`` is freed now, else the cut drops the shift (as 0.33)."""
     if shift <= 0:
         return StallRelease(False, ())
     ends = {input_id: offset + length for input_id, (offset, length) in held.items()}
@@ -186,17 +166,12 @@ def unshifted_cut_needed(
     inputs: Mapping[int, tuple[int, int]],
     held: Collection[int],
 ) -> bool:
-    """Whether a request that got 0 tokens at ``computed`` needs 0.33's unshifted cut
-    (``inputs``: every input's placeholder ``(offset, length)``; ``held``: ids cached).
-
-    vLLM 0.15-0.32 cut ``shift`` tokens before the first input that does not fit: two uncached
-    inputs within ``computed + shift`` that the cache cannot hold both cut 0 on every step
-    (a warm repeat: a hit one token before an evicted image's end, the next image after it).
-    """
-    if shift <= 0:
-        return False
-    reached = 0
-    for input_id, (offset, length) in inputs.items():
-        if input_id not in held and offset <= computed + shift and offset + length > computed:
-            reached += 1
-    return reached >= 2
+    """Whether a request that got 0 tokens needs 0.33's unshifted cut: vLLM 0.15-0.32 cut
+    ``shift`` tokens before the first input that does not fit, so two uncached inputs within
+    ``computed + shift`` cut 0 on every step (a warm repeat: a hit one token before an evicted
+    image's end, the next image after it)."""
+    reached = [
+        i for i, (offset, length) in inputs.items()
+        if i not in held and offset <= computed + shift and offset + length > computed
+    ]  # fmt: skip
+    return shift > 0 and len(reached) >= 2

@@ -27,8 +27,6 @@ from vllm_mamba_fix.facts.versions import Family, Verdict
 
 
 class Facts(NamedTuple):
-    """What a rule's need is decided from."""
-
     settings: Settings
     family: Family
     evidence: Evidence
@@ -51,28 +49,21 @@ def split_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
 
 
 def _split_need(facts: Facts) -> RuleVerdict:
-    family, evidence = facts.family, facts.evidence
-    if evidence.split_after_encoder is not None:
-        by_version = family.verdict is Verdict.PATCH
-        if evidence.split_after_encoder:
-            if by_version:
-                note = ""
-            elif evidence.schedule_owner != "Scheduler":
-                note = "; on this release only a scheduler with its own schedule() needs it"
-            else:
-                note = "; the version alone would have left it (a pre-fix build)"
-            return RuleVerdict(
-                Rule.SPLIT, True, "code",
-                f"{evidence.schedule_owner}.schedule budgets encoder inputs before the split, so "
-                f"a sub-block cut becomes 0{note}",
-            )  # fmt: skip
+    found, owner = facts.evidence.split_after_encoder, facts.evidence.schedule_owner
+    by_version = facts.family.verdict is Verdict.PATCH
+    if found is None:
+        return RuleVerdict(Rule.SPLIT, by_version, "version", facts.family.summary)
+    if not found:
         note = "; the version alone would have patched (a backport)" if by_version else ""
-        return RuleVerdict(
-            Rule.SPLIT, False, "code",
-            f"{evidence.schedule_owner}.schedule splits before encoder budgeting (vLLM #51603)"
-            f"{note}",
-        )  # fmt: skip
-    return RuleVerdict(Rule.SPLIT, family.verdict is Verdict.PATCH, "version", family.summary)
+        why = f"{owner}.schedule splits before encoder budgeting (vLLM #51603){note}"
+        return RuleVerdict(Rule.SPLIT, False, "code", why)
+    note = ""
+    if not by_version and owner != "Scheduler":
+        note = "; on this release only a scheduler with its own schedule() needs it"
+    elif not by_version:
+        note = "; the version alone would have left it (a pre-fix build)"
+    why = f"{owner}.schedule budgets encoder inputs before the split, so a sub-block cut becomes 0"
+    return RuleVerdict(Rule.SPLIT, True, "code", why + note)
 
 
 def block_unit_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
@@ -141,8 +132,6 @@ class Preflight(enum.Enum):
 
 
 class PreflightResult(NamedTuple):
-    """The outcome, and the one line that says why (its log level is the caller's)."""
-
     outcome: Preflight
     reason: str
 
@@ -150,24 +139,17 @@ class PreflightResult(NamedTuple):
 def preflight(mode: Mode, family: Family, version: str) -> PreflightResult:
     """At ``register()``: whether to wait for the scheduler, and why."""
     if mode is Mode.OFF:
-        return PreflightResult(
-            Preflight.DISABLED, f"disabled by {ENV_MODE}; vLLM {version} left untouched"
-        )
+        why = f"disabled by {ENV_MODE}; vLLM {version} left untouched"
+        return PreflightResult(Preflight.DISABLED, why)
     if family.verdict is Verdict.ABSENT:
-        return PreflightResult(
-            Preflight.ABSENT,
-            f"vLLM {version} has no Scheduler._mamba_block_aligned_split (added in 0.15.0)",
-        )
+        why = f"vLLM {version} has no Scheduler._mamba_block_aligned_split (added in 0.15.0)"
+        return PreflightResult(Preflight.ABSENT, why)
     if family.verdict is Verdict.UNKNOWN and mode is not Mode.FORCE:
-        reason = (
-            f"cannot read the vLLM version {version!r}; leaving vLLM untouched "
-            f"(set {ENV_MODE}=force to patch anyway)"
-        )
-        return PreflightResult(Preflight.UNREADABLE_VERSION, reason)
+        why = f"cannot read the vLLM version {version!r}; leaving vLLM untouched"
+        why += f" (set {ENV_MODE}=force to patch anyway)"
+        return PreflightResult(Preflight.UNREADABLE_VERSION, why)
     if mode is Mode.FORCE:
-        return PreflightResult(
-            Preflight.FORCED, f"{ENV_MODE}=force: patching vLLM {version} regardless"
-        )
-    return PreflightResult(
-        Preflight.PROCEED, f"vLLM {version}: family {family.name} ({family.summary})"
-    )
+        why = f"{ENV_MODE}=force: patching vLLM {version} regardless"
+        return PreflightResult(Preflight.FORCED, why)
+    why = f"vLLM {version}: family {family.name} ({family.summary})"
+    return PreflightResult(Preflight.PROCEED, why)

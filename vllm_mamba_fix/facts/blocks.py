@@ -24,17 +24,13 @@ NO_MAMBA_GROUP = "no Mamba KV cache group"
 
 @dataclass(frozen=True)
 class BlockUnit:
-    """What the scheduler's caches say about block sizes."""
-
-    # The Mamba KV cache groups' block size; None when it cannot be read.
-    mamba: int | None
-    # ``cache_config.block_size``, which vLLM's own split uses.
-    configured: int | None
+    mamba: int | None  # the Mamba KV cache groups' block size; None: unreadable
+    configured: int | None  # cache_config.block_size, which vLLM's own split uses
     problem: str | None = None
 
     @property
     def no_mamba(self) -> bool:
-        """No Mamba KV cache group: vLLM never calls the split for this scheduler."""
+        """vLLM never calls the split for this scheduler."""
         return self.problem == NO_MAMBA_GROUP
 
     @property
@@ -53,7 +49,6 @@ class BlockUnit:
         return f"{self.mamba} (Mamba KV cache groups{configured})"
 
     def mismatch_warning(self, switch: str) -> str:
-        """The block-unit rule is off: what that leaves."""
         return (
             f"the Mamba KV cache stores {self.mamba}-token blocks but cache_config.block_size is "
             f"{self.configured}, and {switch}=0 leaves vLLM's own split aligned to "
@@ -92,29 +87,23 @@ class SplitState:
     """What the split wrapper needs of one scheduler, settled at its first split."""
 
     size: int  # the unit corrections align to; 0: the split rules stand down
-    # cache_config with the cache's block, for vLLM's split: the block-unit rule engaged.
-    view: CacheConfigView | None = None
+    view: CacheConfigView | None = None  # the block-unit rule engaged: vLLM's split reads it
     configured: int = 0  # cache_config.block_size, which vLLM's own split floors to
-    # The block vLLM's answer is floored to exceeds the longest chunk its split may be asked
-    # for (budget, long_prefill_token_threshold): a split without the 0.27 sub-block
-    # exemption floors every chunk but a prompt's last to 0 there, so its 0s never clear.
+    # The floored-to block exceeds the longest chunk the split is asked: without the 0.27
+    # sub-block exemption every chunk but a prompt's last floors to 0, which never clears.
     beyond_chunk: bool = False
-    # Engaged, and the cache's block exceeds that longest chunk but the configured one does
-    # not: vLLM's configured answer, stopped at the next cache boundary, is the chunk.
+    # Only the cache's block exceeds that chunk: vLLM's configured answer, stopped at the
+    # next cache boundary, is the chunk.
     starved: bool = False
-    # Nothing a call can need when the view is not engaged: return vLLM's answer.
-    quiet: bool = False
-    # A chunk vLLM's split returns whole may cross a cache boundary from mid-block, where a
-    # re-align rule runs (decide/decision.py, whole_chunks_may_cross): else a whole chunk
-    # needs no look.
+    quiet: bool = False  # no call can need a look: return vLLM's answer
+    # A whole chunk may cross a cache boundary from mid-block (whole_chunks_may_cross).
     whole_chunks_cross: bool = True
-    # The options of the wrapper that settled it: a wrapper with other options (the class
-    # re-wrapped, the plugin registered again) settles the scheduler again.
+    # The settling wrapper's options: one with others (re-wrapped, re-registered) settles again.
     settled_for: Any = None
 
 
 def longest_chunk(scheduler: Any) -> int | None:
-    """The most tokens vLLM's split is ever asked for in one chunk; None if unreadable."""
+    """The most tokens vLLM's split is asked for in one chunk; None if unreadable."""
     config = getattr(scheduler, "scheduler_config", None)
     budget = getattr(scheduler, "max_num_scheduled_tokens", None)
     if not isinstance(budget, int):
@@ -132,8 +121,7 @@ def _mamba_specs(spec: Any) -> list[Any]:
 
 
 def configured_cache_config(scheduler: Any) -> Any:
-    """The scheduler's own ``cache_config``, beneath the block-unit rule's view where it is
-    engaged (the configured block vLLM's split would floor to without the rule)."""
+    """The scheduler's own ``cache_config``, beneath the block-unit rule's view."""
     config = getattr(scheduler, CACHE_CONFIG_ATTR, None)
     return config._real if isinstance(config, CacheConfigView) else config
 

@@ -28,8 +28,7 @@ class Evidence:
     split_after_encoder: bool | None = None
     deferred_encoder_free: bool | None = None
     problem: str | None = None  # why something could not be read
-    # The class whose own ``schedule()`` was read (the first in the MRO that defines one).
-    schedule_owner: str = "Scheduler"
+    schedule_owner: str = "Scheduler"  # the class whose own schedule() was read
 
 
 UNREADABLE = Evidence(problem="no scheduler code was read")
@@ -48,9 +47,8 @@ def _function(source: str | _Function) -> _Function | None:
 
 
 def split_after_encoder(schedule: str | CodeType) -> bool | None:
-    """Whether ``schedule()`` (its source, or its code object) budgets encoder inputs before its
-    first split call: the line of each first ``self.<name>(`` call, read from the lines its
-    code runs (no comment, no docstring) and tokenized, never parsed (parsing vLLM's 800-line
+    """Whether ``schedule()`` (source or code object) budgets encoder inputs before its first
+    split call: the lines its code runs are tokenized, never parsed (parsing vLLM's 800-line
     ``schedule()`` was most of the patch's time)."""
     if isinstance(schedule, str):
         source = textwrap.dedent(schedule)
@@ -91,8 +89,7 @@ def _calls_self(line: str, name: str) -> bool:
 
 def deferred_encoder_free(free_source: str | _Function) -> bool | None:
     """Whether ``_free_encoder_inputs`` delays a free by a look-ahead: every release that
-    defers names it (``spec_lookahead``, ``num_prefill_lookahead``) in code, not only in
-    comments."""
+    defers names one (``spec_lookahead``, ``num_prefill_lookahead``) in code."""
     function = _function(free_source)
     if function is None:
         return None
@@ -149,6 +146,6 @@ def read_evidence(scheduler_cls: type) -> Evidence:
         return Evidence(problem=f"{type(exc).__name__}: {exc}", schedule_owner=owner_name)
     problem = None
     if order is None:
-        problem = f"the order of the split and encoder budgeting in {owner_name}.schedule"
-        problem = f"could not read {problem}"
+        problem = f"could not read the order of the split and encoder budgeting in {owner_name}"
+        problem += ".schedule"
     return Evidence(order, deferred, problem, owner_name)
