@@ -8,20 +8,15 @@
 # Decided:  by the version (absent before 0.15: decide/policy.py, block_unit_verdict), then per
 #           built scheduler by its kv_cache_config.
 # Removed:  when vLLM fixes #54076; pinning --block-size to the cache's block leaves it idle.
-"""The block-unit rule: engaged once per scheduler, nothing of its own per call.
-
-Where a scheduler's Mamba KV cache stores another block than ``cache_config.block_size``, it
-gets, once, a view of its ``cache_config`` with the cache's block (:func:`view_for`), through
-the record of changes. In every release read (0.15-0.34) the split is the scheduler's only
-reader of ``self.cache_config.block_size``, so every split then floors in the cache's block:
-the chunk vLLM schedules with ``--block-size`` pinned to it, with no per-call swap. Per call it
-only counts, on the slow path, a chunk the configured block would have ended elsewhere.
-
-Where the cache's block is longer than any chunk the split is asked (``starved``), a split
-floored in it returns 0 for all but a prompt's last chunk on 0.15-0.26 (pinned stock hangs)
-and advances sub-block on 0.27+; there vLLM's configured answer, stopped at the next cache
-boundary (:func:`stop_at_cache_boundary`), is the chunk, and one asked past the cache's block
-(0.34) is asked through the view (:func:`asked_through`). No vLLM import.
+"""The block-unit rule: where a scheduler's Mamba KV cache stores another block than
+``cache_config.block_size``, it gets, once, a view of its ``cache_config`` with the cache's
+block (:func:`view_for`). In every release read (0.15-0.34) the split is the only reader of
+``self.cache_config.block_size``, so every split floors in the cache's block, as with
+``--block-size`` pinned to it. Per call it only counts a chunk the configured block would have
+ended elsewhere. Where the cache's block is longer than any chunk (``starved``), a split
+floored in it returns 0 for all but a prompt's last chunk on 0.15-0.26 (pinned stock hangs):
+vLLM's configured answer stopped at the next cache boundary is the chunk, and one asked past
+the cache's block (0.34) is asked through the view (:func:`asked_through`). No vLLM import.
 """
 
 from __future__ import annotations
@@ -75,5 +70,4 @@ def asked_through(view: CacheConfigView, split: Callable[..., int], scheduler: A
 
 
 def stop_at_cache_boundary(start: int, answer: int, size: int) -> int:
-    """``starved``: vLLM's configured answer, stopped at the next boundary of the cache's."""
     return min(answer, tokens_to_next_boundary(start, size))

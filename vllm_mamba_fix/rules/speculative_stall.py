@@ -10,10 +10,9 @@
 # Removed:  0.33.0 frees without the delay and cuts without the shift: the rule goes with the
 #           last supported 0.32 (its carrier stays the split rule's ear while that rule runs).
 """The speculative-stall rule, per 0 of the encoder-input check (carried by
-:mod:`vllm_mamba_fix.rules.encoder_wrapper`): where the check gave 0 twice at the same position
-of an in-scope request and its held inputs keep the shifted cut from passing the next one, or
-two uncached inputs sit within the shift (``encoder_facts.stalled_inputs``), it frees the held
-inputs the request is past, through vLLM's own path, and asks the check again without the
+``encoder_wrapper``): where the check gave 0 twice at one position and the request's held
+inputs keep the shifted cut from passing the next one, or two uncached inputs sit within the
+shift, it frees the held inputs it is past through vLLM's own path and asks again without the
 shift; a retry that gives tokens is the answer. No vLLM import.
 """
 
@@ -33,7 +32,7 @@ EncoderResult = tuple[Any, ...]
 
 
 def _free_encoder_input(scheduler: Any, request: Any, input_id: int) -> None:
-    """Free through vLLM's own path, so the freed entry reaches the workers as usual."""
+    # vLLM's own path, so the freed entry reaches the workers as usual.
     free = getattr(scheduler, "_free_encoder_input", None)  # 0.32+: also tells the EC connector
     if free is not None:
         free(request, input_id)
@@ -42,7 +41,7 @@ def _free_encoder_input(scheduler: Any, request: Any, input_id: int) -> None:
 
 
 class EncoderCall(NamedTuple):
-    """One call of vLLM's encoder-input check, as its wrapper got it."""
+    """One call of vLLM's encoder-input check."""
 
     scheduler: Any
     request: Any
