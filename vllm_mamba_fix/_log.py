@@ -73,11 +73,8 @@ def failure_reporter(what: str) -> Callable[[Exception, Any], Any]:
         if not reported:
             reported = True
             why = f"{what} failed ({type(exc).__name__}: {exc})"
-            logger.warning(
-                "vllm-mamba-fix: %s; using vLLM's result",
-                why,
-                extra=fields("fallback", problem=why),
-            )
+            extra = fields("fallback", problem=why)
+            logger.warning("vllm-mamba-fix: %s; using vLLM's result", why, extra=extra)
         return stock
 
     return fall_back

@@ -38,18 +38,14 @@ def view_for(scheduler: Any, unit: BlockUnit, block_rule: bool) -> CacheConfigVi
     current = vars(scheduler).get(CACHE_CONFIG_ATTR)
     if isinstance(current, CacheConfigView):
         return current  # engaged by an earlier settlement (the class re-wrapped)
+    warning = unit.mismatch_warning(ENV_BLOCK_RULE)
     if not block_rule:
-        extra = fields("block-mismatch", **sizes)
-        logger.warning("vllm-mamba-fix: %s", unit.mismatch_warning(ENV_BLOCK_RULE), extra=extra)
+        logger.warning("vllm-mamba-fix: %s", warning, extra=fields("block-mismatch", **sizes))
         return None
     if current is None:
-        logger.warning(
-            "vllm-mamba-fix: the block-unit rule stands down for %s: its cache_config is not "
-            "an instance attribute; %s",
-            name,
-            unit.mismatch_warning(ENV_BLOCK_RULE),
-            extra=fields("stands-down", rule="block-unit", **sizes),
-        )
+        extra = fields("stands-down", rule="block-unit", **sizes)
+        line = "vllm-mamba-fix: the block-unit rule stands down for %s: its cache_config is "
+        logger.warning(line + "not an instance attribute; %s", name, warning, extra=extra)
         return None
     extra = fields("block-engaged", rule="block-unit", **sizes)
     logger.info("vllm-mamba-fix: %s", unit.engaged_line(name), extra=extra)

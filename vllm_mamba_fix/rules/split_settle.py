@@ -56,11 +56,9 @@ def block_size_of(scheduler: Any) -> int:
     if size is None:
         unit = unit_of_scheduler(scheduler)
         if unit.mamba is None and not unit.no_mamba:
-            logger.warning(
-                "vllm-mamba-fix: the split rule stands down for this scheduler: %s",
-                unit.problem,
-                extra=fields("stands-down", rule="split", problem=unit.problem),
-            )
+            extra = fields("stands-down", rule="split", problem=unit.problem)
+            line = "vllm-mamba-fix: the split rule stands down for this scheduler: %s"
+            logger.warning(line, unit.problem, extra=extra)
         set_block_unit(scheduler, unit)
         size = unit.size
     return int(size)

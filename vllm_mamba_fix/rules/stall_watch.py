@@ -139,9 +139,7 @@ def name_stall(scheduler: Any, request: Any, heard: Heard, speculative: bool | N
     """One WARNING; ``speculative`` as ``stall_look.speculative_zero`` says (None: a cut only
     the split floors to 0)."""
     store, streak, now, end_after, window_end = heard
-    streak.warned = True
-    streak.named_at = now
-    streak.window_end = window_end
+    streak.warned, streak.named_at, streak.window_end = True, now, window_end
     _named_stalls(scheduler)  # forget the stalls that ended since
     installation.memory[Named].setdefault(scheduler, {})[request.request_id] = (store, streak)
     counters.record_stall(request_id=request.request_id, stalled_for=now - streak.since)
@@ -229,9 +227,6 @@ def consider(scheduler: Any, request: Any, heard: Heard) -> None:
 
 def log_moving_again(request_id: str, position: int) -> None:
     counters.record_stall(resolved=True, request_id=request_id)
-    logger.info(
-        "vllm-mamba-fix: request %s moves again (was stalled at token %d)",
-        request_id,
-        position,
-        extra=fields("stall-moved", request_id=request_id, position=position),
-    )
+    extra = fields("stall-moved", request_id=request_id, position=position)
+    line = "vllm-mamba-fix: request %s moves again (was stalled at token %d)"
+    logger.info(line, request_id, position, extra=extra)
