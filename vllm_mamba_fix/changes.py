@@ -238,12 +238,7 @@ class Changes:
 
     def revert(self, change: Change | None) -> bool:
         """Undo one change now (an import hook used up); False: it was undone already."""
-        with self._lock:
-            if change is None or not any(c is change for c in self._changes):
-                return False
-            self._changes = [c for c in self._changes if c is not change]
-        _run(change)
-        return True
+        return change is not None and self.undo(lambda c: c is change)
 
     def undo(self, where: Callable[[Change], bool] | None = None) -> bool:
         """Revert the changes ``where`` accepts, newest first, each once; whether any was."""

