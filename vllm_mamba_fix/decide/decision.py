@@ -13,17 +13,14 @@ from typing import NamedTuple
 class Action(enum.Enum):
     UNCHANGED = "unchanged"
     COLLAPSE_PREVENTED = "collapse-prevented"  # stock floored a sub-block chunk to 0
-    # A chunk from mid-block would have crossed the next boundary (a block cached with the
-    # Mamba state of an earlier position).
+    # A chunk from mid-block would have crossed the next boundary (a block with a stale state).
     REALIGNED = "realigned"
     STOPPED_AT_ENCODER_INPUT = "stopped-at-encoder-input"  # at the input, as 0.28+
-    # EAGLE-type speculation parked the request at its own held input (shifted cut, deferred
-    # free) or at two within the shift (a warm repeat); ended the 0.33 way.
+    # Parked by EAGLE's shifted cut and deferred free, or a warm repeat; ended the 0.33 way.
     SPECULATIVE_STALL_RELEASED = "speculative-stall-released"
     # The block-unit rule: ended elsewhere than cache_config.block_size would (vLLM #54076).
     BLOCK_ALIGNED = "block-aligned"
-    # A waiting request whose split answered 0 let go of the cached inputs its encoder check
-    # referenced (0.28 splits first and takes none).
+    # A waiting request's split answered 0: it let go of its encoder check's references.
     ENCODER_REFERENCES_DROPPED = "encoder-references-dropped"
 
 

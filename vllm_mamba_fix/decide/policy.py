@@ -67,14 +67,11 @@ def _split_need(facts: Facts) -> RuleVerdict:
 
 
 def block_unit_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
+    why = "every release's split floors to cache_config.block_size (vLLM #54076); engages for "
+    why += "each scheduler whose Mamba KV cache stores another block"
+    need = RuleVerdict(Rule.BLOCK_UNIT, True, "version", why)
     if facts.family.verdict is Verdict.ABSENT:
         need = RuleVerdict(Rule.BLOCK_UNIT, False, "version", facts.family.summary)
-    else:
-        need = RuleVerdict(
-            Rule.BLOCK_UNIT, True, "version",
-            "every release's split floors to cache_config.block_size (vLLM #54076); engages for "
-            "each scheduler whose Mamba KV cache stores another block",
-        )  # fmt: skip
     if not facts.settings.switched_on(ENV_BLOCK_RULE):
         return _switched_off(need, ENV_BLOCK_RULE)
     return need
@@ -83,11 +80,8 @@ def block_unit_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
 def speculative_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
     family, evidence = facts.family, facts.evidence
     if not family.drafter_fallback:
-        return RuleVerdict(
-            Rule.SPECULATIVE_STALL, False, "version",
-            "before 0.24 the model runner asserts on any encoder-cache miss; the watchdog names "
-            "such stalls instead",
-        )  # fmt: skip
+        why = "before 0.24 the model runner asserts on any encoder-cache miss; the watchdog names "
+        return RuleVerdict(Rule.SPECULATIVE_STALL, False, "version", why + "such stalls instead")
     found = evidence.deferred_encoder_free
     deferred = family.deferred_encoder_free if found is None else found
     how = "only past the drafter's look-ahead" if deferred else "without a look-ahead delay"
@@ -101,10 +95,8 @@ def watchdog_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
         return RuleVerdict(Rule.STALL_WATCHDOG, False, "setting", f"{ENV_STALL_SECONDS}=off")
     # It watches where a fix rule runs (a release that needs one).
     active = any(earlier[rule].active for rule in (Rule.SPLIT, Rule.SPECULATIVE_STALL))
-    return RuleVerdict(
-        Rule.STALL_WATCHDOG, active, "setting",
-        f"after {seconds:g} s" if active else "no fix rule installed",
-    )  # fmt: skip
+    why = f"after {seconds:g} s" if active else "no fix rule installed"
+    return RuleVerdict(Rule.STALL_WATCHDOG, active, "setting", why)
 
 
 def stall_end_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:

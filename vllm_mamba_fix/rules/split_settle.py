@@ -38,8 +38,8 @@ class WrapOptions:
     deadlock_rules: bool = True  # the split rule: collapse, re-align, encoder stop in scope
     block_rule: bool = True  # the block-unit rule
     realign: bool = True  # re-align the split rule's own chunks (tests switch it off)
-    # The block-unit rule re-aligns every other request too, where the release's split does
-    # not stop a mid-block chunk at the next boundary itself (0.15-0.26).
+    # The block-unit rule re-aligns every other request too (a split that keeps a mid-block
+    # chunk misaligned: 0.15-0.26).
     realign_others: bool = True
     absolute_end: bool = False  # the split floors the chunk's end (0.26+), not its length
     # The split advances sub-block through a block wider than its longest chunk (0.27+).
@@ -76,8 +76,7 @@ def settle(scheduler: Any, options: WrapOptions) -> tuple[SplitState, BlockUnit]
     configured = getattr(configured_cache_config(scheduler), "block_size", None)
     unit = BlockUnit(size or None, configured if isinstance(configured, int) else None)
     longest, configured_size = longest_chunk(scheduler), unit.configured or 0
-    # No chunk reaches the cache's block: stock's configured answer, stopped at the cache's
-    # boundary, is the chunk (block_unit.py's docstring says why).
+    # No chunk reaches the cache's block (block_unit.py's docstring says why).
     starved = unit.differs and longest is not None and configured_size <= longest < size
     view = block_unit.view_for(scheduler, unit, options.block_rule) if unit.differs else None
     installed = view is None or starved or vars(scheduler).get(CACHE_CONFIG_ATTR) is view
@@ -87,16 +86,12 @@ def settle(scheduler: Any, options: WrapOptions) -> tuple[SplitState, BlockUnit]
     # The block the split rule's answer is floored to; no 0 of it lasts on 0.27+.
     floored = configured_size if starved or view is None else size
     beyond = not options.advances_sub_block and longest is not None and floored > longest
-    # A call looks at nothing unless a rule of this class can act, or the block-unit rule
-    # counts the chunks it changes (engaged) or stops them at the cache's boundary (starved).
+    # A call looks at nothing unless a rule can act, or the engaged block-unit rule counts.
     others = options.block_rule and options.realign_others
     acts = options.deadlock_rules or (others and options.realign)
     quiet = not size or not (acts or view is not None or starved)
-    # The re-align rules: the split rule's own requests, or (where vLLM's split keeps a
-    # mid-block start misaligned) every request under the block-unit rule.
     realigns = options.realign and (options.deadlock_rules or others)
-    # The block vLLM's answer is floored in: the cache's where the view is engaged, else the
-    # configured one (starved: stopped at the cache's boundary on the slow path).
+    # The block vLLM's answer is floored in (starved: stopped at the cache's boundary later).
     split_block = size if view is not None else configured_size
     cross = starved or whole_chunks_may_cross(
         realigns, not options.realign_others, split_block or size, size

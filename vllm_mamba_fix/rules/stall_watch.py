@@ -52,8 +52,7 @@ from vllm_mamba_fix.rules.end_order import EndOrder, order_end, ordered, support
 from vllm_mamba_fix.rules.zero_streaks import ZeroStreaks
 
 RECHECK_SECONDS = 1.0
-# The watchdog's time, read once per step by its look (rules/stall_look.py; ``now`` goes on
-# to decide/stalls.py's pure functions); tests put a clock they advance here.
+# The watchdog's time, read once per step by its look; tests put a clock they advance here.
 clock: Callable[[], float] = time.monotonic
 
 
