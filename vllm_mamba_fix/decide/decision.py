@@ -41,12 +41,10 @@ def decide(
     uncut_stock_tokens: int | None = None,
     tail_frees: bool | None = None,
 ) -> Decision:
-    """Correct vLLM's split answer ``stock_tokens`` (``uncut_stock_tokens``: its answer for
-    the chunk asked, where the encoder check cut it). Re-align: a chunk from mid-block ends by
-    the next boundary, so that block is cached with its own state. An encoder cut ends at the
-    input, as 0.28; not past a whole-block answer to a mid-block cut when ``tail_frees`` is
-    False: a chunk ended mid-block costs a re-aligned chunk next step (issue 44 item 4).
-    """
+    """Correct vLLM's split answer (``uncut_stock_tokens``: its answer for the chunk asked,
+    where the encoder check cut it). An encoder cut ends at the input, as 0.28; not past a
+    whole-block answer to a mid-block cut when ``tail_frees`` is False: a chunk ended mid-block
+    costs a re-aligned chunk next step (issue 44 item 4)."""
     if num_new_tokens <= 0 or block_size <= 0 or stock_tokens < 0:
         return Decision(stock_tokens, Action.UNCHANGED)
     room = tokens_to_next_boundary(start, block_size)

@@ -43,23 +43,6 @@ class BlockUnit:
         configured = f"; cache_config.block_size {self.configured}" if self.differs else ""
         return f"{self.mamba} (Mamba KV cache groups{configured})"
 
-    def mismatch_warning(self, switch: str) -> str:
-        return (
-            f"the Mamba KV cache stores {self.mamba}-token blocks but cache_config.block_size is "
-            f"{self.configured}, and {switch}=0 leaves vLLM's own split aligned to "
-            f"{self.configured}: its chunks can end inside a cached block and cache a stale "
-            f"Mamba state (vLLM #54076); pin --block-size {self.mamba}"
-        )
-
-    def engaged_line(self, scheduler_class: str) -> str:
-        return (
-            f"block-unit rule engaged for {scheduler_class}: the Mamba KV cache stores "
-            f"{self.mamba}-token blocks but cache_config.block_size is {self.configured}; every "
-            f"prefill chunk, text and multimodal, now ends where vLLM with --block-size "
-            f"{self.mamba} would end it (vLLM #54076; pinning --block-size {self.mamba} makes "
-            f"the rule idle)"
-        )
-
 
 class CacheConfigView:
     """``cache_config`` under the block-unit rule: the cache's block, the rest the live config's."""

@@ -35,7 +35,13 @@ def view_for(scheduler: Any, unit: BlockUnit, block_rule: bool) -> CacheConfigVi
     current = vars(scheduler).get(CACHE_CONFIG_ATTR)
     if isinstance(current, CacheConfigView):
         return current  # engaged by an earlier settlement (the class re-wrapped)
-    warning = unit.mismatch_warning(ENV_BLOCK_RULE)
+    cache, configured = unit.mamba, unit.configured
+    stores = f"the Mamba KV cache stores {cache}-token blocks but cache_config.block_size is "
+    warning = (
+        f"{stores}{configured}, and {ENV_BLOCK_RULE}=0 leaves vLLM's own split aligned to "
+        f"{configured}: its chunks can end inside a cached block and cache a stale Mamba state "
+        f"(vLLM #54076); pin --block-size {cache}"
+    )
     if not block_rule:
         logger.warning("vllm-mamba-fix: %s", warning, extra=fields("block-mismatch", **sizes))
         return None
@@ -45,15 +51,19 @@ def view_for(scheduler: Any, unit: BlockUnit, block_rule: bool) -> CacheConfigVi
         logger.warning(line + "not an instance attribute; %s", name, warning, extra=extra)
         return None
     extra = fields("block-engaged", rule="block-unit", **sizes)
-    logger.info("vllm-mamba-fix: %s", unit.engaged_line(name), extra=extra)
+    line = (
+        f"block-unit rule engaged for {name}: {stores}{configured}; every prefill chunk, text "
+        f"and multimodal, now ends where vLLM with --block-size {cache} would end it (vLLM "
+        f"#54076; pinning --block-size {cache} makes the rule idle)"
+    )
+    logger.info("vllm-mamba-fix: %s", line, extra=extra)
     return CacheConfigView(current, int(unit.mamba or 0))
 
 
 def asked_through(view: CacheConfigView, split: Callable[..., int], scheduler: Any,
                   call: Any) -> int:  # fmt: skip
-    """``starved``, a chunk asked past the cache's block (a release whose split is asked more
-    than the threshold, 0.34): vLLM's split asked once more with the view set for that call,
-    so the chunk is pinned stock's (its multi-block chunks), then the scheduler's own back."""
+    """``starved``, a chunk asked past the cache's block (0.34): vLLM's split asked again with
+    the view set for that call, so the chunk is pinned stock's."""
     real = vars(scheduler)[CACHE_CONFIG_ATTR]
     scheduler.cache_config = view
     try:

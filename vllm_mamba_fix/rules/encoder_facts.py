@@ -124,9 +124,8 @@ def cache_holds(scheduler: Any) -> tuple[list[Hold], int] | None:
 def cross_hold_proof(
     scheduler: Any, request: Any, stalled: Mapping[str, Stalled], ending: frozenset[str]
 ) -> str | None:
-    """Why ``request`` (one of the named ``stalled``) must be ended to break their hold on each
-    other's cache space, or None. A stall its own inputs keep counts as ending; one of unknown
-    needs as free to move."""
+    """Why ``request`` must be ended to break named stalls' hold on each other's cache space, or
+    None. A stall its own inputs keep counts as ending; one of unknown needs as free to move."""
     read = cache_holds(scheduler)
     if read is None or request.request_id not in stalled:
         return None

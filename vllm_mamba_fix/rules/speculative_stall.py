@@ -29,15 +29,6 @@ from vllm_mamba_fix.rules.encoder_facts import stalled_inputs as stalled_inputs
 EncoderResult = tuple[Any, ...]
 
 
-def _free_encoder_input(scheduler: Any, request: Any, input_id: int) -> None:
-    # vLLM's own path, so the freed entry reaches the workers as usual.
-    free = getattr(scheduler, "_free_encoder_input", None)  # 0.32+: also tells the EC connector
-    if free is not None:
-        free(request, input_id)
-    else:
-        scheduler.encoder_cache_manager.free_encoder_input(request, input_id)
-
-
 class EncoderCall(NamedTuple):
     """One call of vLLM's encoder-input check."""
 
@@ -58,8 +49,10 @@ def release(
     """Free ``to_free`` and ask vLLM's ``check`` again without the shift; its answer if it
     gives tokens (counted, with the scheduler's ``block_size`` for the log), else None."""
     scheduler, request, computed = call.scheduler, call.request, call.computed
+    # vLLM's own path, so the freed entry reaches the workers (0.32+: the EC connector too).
+    free = getattr(scheduler, "_free_encoder_input", None)
     for input_id in to_free:
-        _free_encoder_input(scheduler, request, input_id)
+        (free or scheduler.encoder_cache_manager.free_encoder_input)(request, input_id)
     retry = check(scheduler, request, computed, call.asked, call.encoder_budget, 0)
     if not retry[1]:
         return None

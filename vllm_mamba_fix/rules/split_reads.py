@@ -13,10 +13,9 @@ from vllm_mamba_fix.facts.targets import KNOWN_SPLIT_TRAILING_PARAMETERS, SPLIT_
 
 
 def drop_waiting_references(scheduler: Any, request: Any) -> bool:
-    """A waiting request whose chunk is 0 lets go of the cached inputs it referenced: through
-    0.27.1 the encoder check runs before the split in the waiting loop too, and those
-    references hold inputs while another request's does not fit. The next step's check takes
-    them again. Whether it dropped any (counted)."""
+    """A waiting request whose chunk is 0 lets go of the cached inputs it referenced (through
+    0.27.1 the encoder check runs before the split there too, and those references hold inputs
+    another request's needs the room of); the next step's check takes them again."""
     if getattr(getattr(request, "status", None), "name", "RUNNING") == "RUNNING":
         return False
     manager = getattr(scheduler, "encoder_cache_manager", None)

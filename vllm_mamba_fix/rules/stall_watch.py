@@ -93,8 +93,7 @@ def _split_rule(scheduler: Any) -> Any:
 
 def split_window_end(scheduler: Any, request: Any, position: int) -> int:
     """End of the smallest chunk the split does not floor to 0: where the split rule acts, one
-    token past the cut's look-ahead (0.28's order); else the next boundary of the smallest
-    unit any split floors to."""
+    token past the cut's look-ahead (0.28's order); else the next boundary."""
     options = _split_rule(scheduler)
     if options is not None and options.scope.in_scope(request):
         end = position + 1 + encoder_cut_shift(scheduler)
