@@ -56,8 +56,7 @@ def _type_name(instance: Any) -> str:
 
 
 class Memory(dict[type, Any]):
-    """Each concern's memory by its class: ``memory[Kind]`` is ``Kind()``, made on first use.
-    A hit runs no Python code (the split's and every step's paths read it per call)."""
+    """``memory[Kind]`` is ``Kind()``, made on first use; a hit runs no Python code (hot paths)."""
 
     def __missing__(self, kind: type) -> Any:
         return self.setdefault(kind, kind())  # one instance, whichever thread makes it

@@ -119,7 +119,6 @@ class Preflight(enum.Enum):
 
     @property
     def waits_for_scheduler(self) -> bool:
-        """Whether ``register()`` goes on to patch the scheduler once its module is imported."""
         return self is Preflight.FORCED or self is Preflight.PROCEED
 
 

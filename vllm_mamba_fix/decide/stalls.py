@@ -9,10 +9,8 @@ import enum
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-# Steps at the same position before the watchdog may name a stall.
-WATCHDOG_MIN_STEPS = 3
-# A 0 that repeats at the same position is one vLLM would return forever.
-REPEATED = 2
+WATCHDOG_MIN_STEPS = 3  # steps at one position before the watchdog may name a stall
+REPEATED = 2  # a 0 that repeats at one position is one vLLM would return forever
 
 
 @dataclass
@@ -47,9 +45,7 @@ def own_inputs_block(
     encoder_budget: int | None,
 ) -> str | None:
     """Why the request's own encoder inputs keep it at its position whatever others do, or None
-    (they fit alone). ``held``: its cached inputs (it frees none while it gets 0); ``needed``:
-    those its smallest non-0 chunk needs; ``encoder_budget`` None: no bound (an EC connector).
-    """
+    (``held``: it frees none while it gets 0; ``encoder_budget`` None: an EC connector)."""
     needed = {key: n for key, n in needed.items() if key not in held}
     largest = max(needed.values(), default=0)
     if largest > cache_size or (encoder_budget is not None and largest > encoder_budget):
@@ -87,10 +83,8 @@ def _blocked(
     while changed:
         changed = False
         for rid in sorted(blocked):
-            room = free + sum(
-                size for size, holders in holds if rid not in holders and not holders & blocked
-            )
-            if needs[rid] <= room:
+            room = sum(n for n, holders in holds if rid not in holders and not holders & blocked)
+            if needs[rid] <= free + room:
                 blocked.discard(rid)
                 changed = True
     return frozenset(blocked)

@@ -14,18 +14,15 @@ from vllm_mamba_fix.decide.stalls import REPEATED, Hold, Streak, cross_hold_bloc
 
 def num_embeds(request: Any, input_id: int) -> int:
     getter = getattr(request, "get_num_encoder_embeds", None)
-    if getter is not None:
-        return int(getter(input_id))
-    return int(request.mm_features[input_id].mm_position.length)
+    return int(getter(input_id) if getter else request.mm_features[input_id].mm_position.length)
 
 
 def encoder_cut_shift(scheduler: Any) -> int:
     """The tokens vLLM leaves before an encoder input it cannot schedule: 0.28+ pass
     ``num_prefill_lookahead``, 0.15-0.27 ``1 if use_eagle else 0``."""
     lookahead = getattr(scheduler, "num_prefill_lookahead", None)
-    if lookahead is not None:
-        return int(lookahead)
-    return 1 if getattr(scheduler, "use_eagle", False) else 0
+    eagle = 1 if getattr(scheduler, "use_eagle", False) else 0
+    return int(lookahead) if lookahead is not None else eagle
 
 
 def _placeholder(request: Any, input_id: int) -> tuple[int, int]:

@@ -23,9 +23,7 @@ class EndOrder:
     request_id: str
     position: int
     computed: int  # request.num_computed_tokens when ordered: unchanged, or no end
-    # The rules.zero_streaks.ZeroStreaks that holds ``streak`` (not imported: the chain of
-    # imports from the table stays within the limit).
-    store: Any
+    store: Any  # the ZeroStreaks holding ``streak`` (not imported: the import chain's limit)
     streak: Streak
     log_line: str
     message: str  # what the client reads

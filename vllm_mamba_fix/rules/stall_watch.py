@@ -152,10 +152,8 @@ def name_stall(scheduler: Any, request: Any, heard: Heard, speculative: bool | N
     elif cause is StallCause.UNKNOWN and proof is None:
         # What keeps stock's split at 0 here (the cause, not the proof): the boundary's.
         if speculative is None:
-            facts = own_inputs(
-                scheduler, request, streak.position,
-                _boundary_end(scheduler, request, streak.position),
-            )  # fmt: skip
+            end = _boundary_end(scheduler, request, streak.position)
+            facts = own_inputs(scheduler, request, streak.position, end)
         if _held_by_others(scheduler, facts):
             cause = StallCause.SHARED_CACHE
     streak.cause = cause

@@ -36,11 +36,9 @@ class ZeroStreaks:
             self.by_request.move_to_end(request_id)
             return streak, None
         with self._lock:
-            streak = self.by_request.pop(request_id, None)
-            moved = None
-            if streak is None or streak.position != position:
-                moved = streak
-                streak = Streak(position, 0, now)
+            old = self.by_request.pop(request_id, None)
+            kept = old is not None and old.position == position  # another thread's 0 there
+            streak, moved = (old, None) if kept else (Streak(position, 0, now), old)
             streak.steps += steps
             self.by_request[request_id] = streak
             if len(self.by_request) > self._capacity:
