@@ -213,10 +213,8 @@ class Changes:
                 if self._instances.get(key) is owned:
                     del self._instances[key]
             alive = ref()
-            space = _namespace(alive)
-            for name in sorted(owned.names):
-                if space is not None and name in space:
-                    delattr(alive, name)
+            for name in sorted(owned.names & set(_namespace(alive) or ())):
+                delattr(alive, name)
 
         owned.change = self.record(INSTANCE_TAG, f"attributes of a {_type_name(instance)}", revert)
         self._instances[key] = owned

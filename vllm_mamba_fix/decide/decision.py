@@ -67,9 +67,8 @@ def decide(
 
 
 def tail_frees_room(need: int, room: int, own_in_tail: int) -> bool:
-    """Whether computing a cut chunk's tail frees the cache room the input at the cut waits
-    for (``room``: the slots left while every reference stays); else it fits already or waits
-    on another request either way."""
+    """Whether computing a cut chunk's tail frees the cache room the input at the cut waits for
+    (``room``: the slots left while every reference stays)."""
     return room < need <= room + own_in_tail
 
 
@@ -87,9 +86,8 @@ def can_need_correction(
 def whole_chunks_may_cross(
     realigns: bool, split_stops_mid_block: bool, split_block: int, cache_block: int
 ) -> bool:
-    """Whether a whole chunk can cross a cache boundary from mid-block: only where a re-align
-    rule runs and vLLM's split keeps a mid-block start misaligned (0.15-0.26) or floors in
-    another block than the cache's."""
+    """Whether a whole chunk can cross a cache boundary from mid-block: where a re-align rule
+    runs and vLLM's split keeps it misaligned (0.15-0.26) or floors in another block."""
     return realigns and (not split_stops_mid_block or split_block != cache_block)
 
 
@@ -151,10 +149,7 @@ def speculative_stall_release(
 
 
 def unshifted_cut_needed(
-    computed: int,
-    shift: int,
-    inputs: Mapping[int, tuple[int, int]],
-    held: Collection[int],
+    computed: int, shift: int, inputs: Mapping[int, tuple[int, int]], held: Collection[int]
 ) -> bool:
     """Whether a request that got 0 tokens needs 0.33's unshifted cut: vLLM 0.15-0.32 cut
     ``shift`` tokens before the first input that does not fit, so two uncached inputs within

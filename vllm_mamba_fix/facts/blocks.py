@@ -98,17 +98,18 @@ def _mamba_specs(spec: Any) -> list[Any]:
     return [s for s in specs if any(c.__name__ == "MambaSpec" for c in type(s).__mro__)]
 
 
-def configured_cache_config(scheduler: Any) -> Any:
-    """The scheduler's own ``cache_config``, beneath the block-unit rule's view."""
+def configured_block(scheduler: Any) -> int | None:
+    """The scheduler's own ``cache_config.block_size``, beneath the block-unit rule's view."""
     config = getattr(scheduler, CACHE_CONFIG_ATTR, None)
-    return config._real if isinstance(config, CacheConfigView) else config
+    config = config._real if isinstance(config, CacheConfigView) else config
+    size = getattr(config, "block_size", None)
+    return size if isinstance(size, int) else None
 
 
 def unit_of_scheduler(scheduler: Any) -> BlockUnit:
     """The Mamba groups' block size from the scheduler's ``KVCacheConfig``; never raises."""
     kv_cache_config = getattr(scheduler, "kv_cache_config", None)
-    configured = getattr(configured_cache_config(scheduler), "block_size", None)
-    configured_size = configured if isinstance(configured, int) else None
+    configured_size = configured_block(scheduler)
     try:
         groups = list(kv_cache_config.kv_cache_groups)
         sizes = {int(spec.block_size) for g in groups for spec in _mamba_specs(g.kv_cache_spec)}

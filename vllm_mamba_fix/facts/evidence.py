@@ -137,8 +137,6 @@ def read_evidence(scheduler_cls: type) -> Evidence:
         deferred = deferred_encoder_free(free) if free else None
     except Exception as exc:  # a host quirk must never break vLLM
         return Evidence(problem=f"{type(exc).__name__}: {exc}", schedule_owner=owner_name)
-    problem = None
-    if order is None:
-        problem = f"could not read the order of the split and encoder budgeting in {owner_name}"
-        problem += ".schedule"
+    what = f"the order of the split and encoder budgeting in {owner_name}.schedule"
+    problem = None if order is not None else f"could not read {what}"
     return Evidence(order, deferred, problem, owner_name)

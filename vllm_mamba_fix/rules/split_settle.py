@@ -20,7 +20,7 @@ from vllm_mamba_fix.facts.blocks import (
     SPLIT_ATTR,
     BlockUnit,
     SplitState,
-    configured_cache_config,
+    configured_block,
     longest_chunk,
     unit_of_scheduler,
 )
@@ -73,8 +73,7 @@ def settle(scheduler: Any, options: WrapOptions) -> tuple[SplitState, BlockUnit]
         if callable(on_built):
             on_built(scheduler)
     size = block_size_of(scheduler)
-    configured = getattr(configured_cache_config(scheduler), "block_size", None)
-    unit = BlockUnit(size or None, configured if isinstance(configured, int) else None)
+    unit = BlockUnit(size or None, configured_block(scheduler))
     longest, configured_size = longest_chunk(scheduler), unit.configured or 0
     # No chunk reaches the cache's block (block_unit.py's docstring says why).
     starved = unit.differs and longest is not None and configured_size <= longest < size
