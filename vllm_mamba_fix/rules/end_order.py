@@ -68,9 +68,7 @@ def order_end(scheduler: Any, order: EndOrder) -> None:
 def take_orders(scheduler: Any) -> list[EndOrder]:
     """The orders left for ``scheduler``, taken: each is carried out once or dropped."""
     pending = installation.memory[Orders]
-    if not pending:
-        return []
-    orders = pending.pop(scheduler, None)
+    orders = pending.pop(scheduler, None) if pending else None
     return list(orders.values()) if orders else []
 
 

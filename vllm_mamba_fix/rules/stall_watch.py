@@ -71,9 +71,7 @@ def _held_by_others(scheduler: Any, facts: OwnInputs | None) -> bool:
 
 def _named_stalls(scheduler: Any) -> dict[str, Stalled]:
     """The stalls named on ``scheduler`` still there (the others are forgotten)."""
-    named = installation.memory[Named].get(scheduler)
-    if not named:
-        return {}
+    named = installation.memory[Named].get(scheduler) or {}
     stalled: dict[str, Stalled] = {}
     for rid, (store, streak) in list(named.items()):
         request = scheduler.requests.get(rid)
