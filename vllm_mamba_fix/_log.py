@@ -9,10 +9,8 @@ from typing import Any
 
 logger = logging.getLogger("vllm.mamba_fix")
 
-# Every record's facts ride on it as attributes (``extra=``), so a JSON formatter under
-# vLLM's --logging-config shows them as keys; the text line is unchanged. The prefix keeps
-# them clear of LogRecord's own attributes and of other plugins'. Stable names: documented
-# in docs/deployment.md ("Log fields"), which a test holds to this table.
+# A record's facts ride on it as prefixed attributes (``extra=``) a JSON formatter shows as
+# keys. Stable names: docs/deployment.md ("Log fields"), which a test holds to this table.
 FIELD_PREFIX = "vllm_mamba_fix_"
 FIELDS: dict[str, str] = {
     "event": "what the record says (one of EVENTS)",
@@ -73,11 +71,8 @@ def failure_reporter(what: str) -> Callable[[Exception, Any], Any]:
         if not reported:
             reported = True
             why = f"{what} failed ({type(exc).__name__}: {exc})"
-            logger.warning(
-                "vllm-mamba-fix: %s; using vLLM's result",
-                why,
-                extra=fields("fallback", problem=why),
-            )
+            extra = fields("fallback", problem=why)
+            logger.warning("vllm-mamba-fix: %s; using vLLM's result", why, extra=extra)
         return stock
 
     return fall_back

@@ -1,11 +1,9 @@
 """The plugin's session, as pytest's ``MonkeyPatch``: every change the plugin makes to vLLM and
-the process (class wrappers, import hooks, a metrics collector, an environment variable, a
-scheduler's attributes) is made through :data:`installation`, which keeps what reverts it, and
-all the plugin remembers is in its :class:`Memory`. ``unregister()`` closes it: the changes are
-undone newest first, once, and the memory forgotten, so a new ``register()`` starts as in a
-fresh process. A change someone else has overwritten since is left as they left it; instances
-are held weakly, and an attribute the plugin did not set is never overwritten. Undoing never
-raises. At the bottom of the package: this module imports nothing of the plugin's."""
+the process is made through :data:`installation`, which keeps what reverts it, and all the
+plugin remembers is in its :class:`Memory`. ``unregister()`` closes it (changes undone newest
+first, once; memory forgotten), so a new ``register()`` starts as in a fresh process. A change
+someone else overwrote since is left as they left it; instances are held weakly; an attribute
+the plugin did not set is never overwritten; undoing never raises. Imports nothing of ours."""
 
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-# The plugin's logger and its records' field prefix, as _log.py names them (a test holds them
-# equal): importing nothing of the plugin, the session lengthens no chain of imports.
+# As _log.py names them (a test holds them equal): the session lengthens no chain of imports.
 _logger = logging.getLogger("vllm.mamba_fix")
 _FIELD_PREFIX = "vllm_mamba_fix_"
 _MISSING: Any = object()
@@ -27,8 +24,6 @@ INSTANCE_TAG = "instance attributes"
 
 @dataclass(eq=False)
 class Change:
-    """One change the plugin made; ``revert`` puts back what was there."""
-
     tag: str  # who made it: the module's name (its kind, after a colon, where it has two)
     what: str  # for a reader: what was changed
     revert: Callable[[], None]
@@ -39,8 +34,6 @@ class Change:
 
 @dataclass(eq=False)
 class _Owned:
-    """The attributes the plugin set on one instance, held weakly."""
-
     ref: weakref.ref[Any]
     names: set[str] = field(default_factory=set)
     change: Change | None = None
@@ -63,8 +56,7 @@ def _type_name(instance: Any) -> str:
 
 
 class Memory(dict[type, Any]):
-    """Each concern's memory by its class: ``memory[Kind]`` is ``Kind()``, made on first use.
-    A hit runs no Python code (the split's and every step's paths read it per call)."""
+    """``memory[Kind]`` is ``Kind()``, made on first use; a hit runs no Python code (hot paths)."""
 
     def __missing__(self, kind: type) -> Any:
         return self.setdefault(kind, kind())  # one instance, whichever thread makes it
@@ -83,8 +75,7 @@ class Changes:
     def say_once(
         self, level: int, message: str, *args: Any, event: str | None = "setup", **facts: Any
     ) -> bool:
-        """Log ``vllm-mamba-fix: <message>``, keyed by ``message`` (a ``%`` template), once per
-        session; ``event`` and ``facts``: the record's fields. Whether it was logged."""
+        """Log ``vllm-mamba-fix: <message>`` (a ``%`` template) once per session; whether it was."""
         with self._lock:
             if message in self._said:
                 return False
@@ -97,7 +88,6 @@ class Changes:
         return True
 
     def close(self) -> bool:
-        """Undo every change, then forget all remembered and said; whether anything was undone."""
         undone = self.undo()
         with self._lock:
             self.memory, self._said = Memory(), set()
@@ -105,15 +95,14 @@ class Changes:
 
     def record(self, tag: str, what: str, revert: Callable[[], None], target: Any = None,
                name: str | None = None, value: Any = None) -> Change:  # fmt: skip
-        """Record a change the caller has just made, with the call that reverts it."""
         change = Change(tag, what, revert, target, name, value)
         with self._lock:
             self._changes.append(change)
         return change
 
     def set_attr(self, target: Any, name: str, value: Any, tag: str) -> Change:
-        """``setattr`` on a class or module; undo restores what its own namespace held (or
-        deletes the attribute), while it still holds ``value``."""
+        """``setattr`` on a class or module; undo restores its own namespace's while it holds
+        ``value``."""
         previous = vars(target).get(name, _MISSING)
 
         def revert() -> None:
@@ -130,8 +119,7 @@ class Changes:
             return self.record(tag, what, revert, target, name, value)
 
     def set_env(self, name: str, value: str, tag: str) -> Change | None:
-        """``os.environ[name] = value``; undo restores what was there while it still holds
-        ``value``. Setting the value it already set records nothing."""
+        """``os.environ[name] = value``, undone while it holds ``value``; set again: no record."""
         with self._lock:
             current = os.environ.get(name)
             if current == value and self.changed(os.environ, name):
@@ -149,7 +137,6 @@ class Changes:
             return self.record(tag, f"${name}", revert, os.environ, name, value)
 
     def insert_first(self, items: list[Any], item: Any, tag: str, what: str, name: str) -> Change:
-        """Put ``item`` first in ``items`` (``sys.meta_path``); undo takes it out again."""
 
         def revert() -> None:
             if item in items:
@@ -160,9 +147,8 @@ class Changes:
             return self.record(tag, what, revert, items, name, item)
 
     def set_on(self, instance: Any, name: str, value: Any) -> bool:
-        """Set attribute ``name`` of ``instance`` (a scheduler); undo deletes it. Refused
-        (False, said once) where the plugin did not set what is there, or where ``instance``
-        cannot be held weakly. Never raises."""
+        """Set ``instance.<name>`` (a scheduler's), undone by deleting it; refused (False, said
+        once) where the plugin did not set what is there or cannot hold it weakly."""
         with self._lock:
             owned = self._own(instance, name)
             if owned is None:
@@ -176,9 +162,8 @@ class Changes:
         return True
 
     def replace_on(self, instance: Any, name: str, value: Any) -> bool:
-        """Replace ``instance``'s own attribute ``name`` (vLLM's) by ``value``; undo puts the
-        original back while it still holds ``value``. Refused (False, said once) where it is
-        not the instance's own or ``instance`` cannot be held weakly. Never raises."""
+        """Replace ``instance``'s own attribute (vLLM's), undone while it holds ``value``;
+        refused (False, said once) where it is not its own or cannot be held weakly."""
         space, ref = _namespace(instance), _weak(instance)
         if ref is None or space is None or name not in space:
             why = f"cannot replace {name} of a {_type_name(instance)}: not its own attribute"
@@ -202,7 +187,7 @@ class Changes:
             return owned is not None and owned.ref() is instance and name in owned.names
 
     def _own(self, instance: Any, name: str) -> _Owned | None:
-        """The record of ``instance`` if the plugin may set ``name`` there. Holds the lock."""
+        """The record of ``instance`` if the plugin may set ``name`` there (lock held)."""
         owned = self._instances.get(id(instance))
         if owned is not None and owned.ref() is not instance:
             owned = None  # a dead instance's id, reused
@@ -228,43 +213,32 @@ class Changes:
                 if self._instances.get(key) is owned:
                     del self._instances[key]
             alive = ref()
-            space = _namespace(alive)
-            for name in sorted(owned.names):
-                if space is not None and name in space:
-                    delattr(alive, name)
+            for name in sorted(owned.names & set(_namespace(alive) or ())):
+                delattr(alive, name)
 
         owned.change = self.record(INSTANCE_TAG, f"attributes of a {_type_name(instance)}", revert)
         self._instances[key] = owned
         return owned
 
     def _prune(self) -> None:
-        """Forget the instances that are gone (their attributes went with them)."""
         for key in [key for key, owned in self._instances.items() if owned.ref() is None]:
             change = self._instances.pop(key).change
             self._changes = [c for c in self._changes if c is not change]
 
     def changes(self, tag: str | None = None) -> list[Change]:
-        """The changes in force, oldest first (``tag``: only that module's)."""
         with self._lock:
             return [c for c in self._changes if tag is None or c.tag == tag]
 
     def changed(self, target: Any, name: str) -> bool:
-        """Whether the plugin set ``target.<name>`` and has not undone it."""
         with self._lock:
             return any(c.target is target and c.name == name for c in self._changes)
 
     def revert(self, change: Change | None) -> bool:
-        """Undo one change now (an import hook that was used up). False: it was undone."""
-        with self._lock:
-            if change is None or not any(c is change for c in self._changes):
-                return False
-            self._changes = [c for c in self._changes if c is not change]
-        _run(change)
-        return True
+        """Undo one change now (an import hook used up); False: it was undone already."""
+        return change is not None and self.undo(lambda c: c is change)
 
     def undo(self, where: Callable[[Change], bool] | None = None) -> bool:
-        """Revert every change (``where``: those it accepts), newest first, each once; whether
-        anything was reverted. Never raises."""
+        """Revert the changes ``where`` accepts, newest first, each once; whether any was."""
         with self._lock:
             chosen = [c for c in self._changes if where is None or where(c)]
             gone = {id(c) for c in chosen}

@@ -27,7 +27,7 @@ import vllm_mamba_fix
 from tools import scenarios as sc
 from tools import sched_harness as harness
 from tools.sched_harness import HarnessConfig, Mode, RequestSpec
-from vllm_mamba_fix.facts.blocks import CacheConfigView, configured_cache_config
+from vllm_mamba_fix.facts.blocks import CacheConfigView
 from vllm_mamba_fix.facts.versions import Family, Verdict
 
 PACKAGE = str(Path(vllm_mamba_fix.__file__).resolve().parent) + "/"
@@ -162,7 +162,7 @@ def test_vllm_reads_the_engaged_view_without_package_code(
     h.add(*ENGAGED_REQUESTS)
     h.run(max_steps=3)
     view = vars(h.scheduler)["cache_config"]
-    real = configured_cache_config(h.scheduler)
+    real = h.scheduler.vllm_config.cache_config  # the scheduler's own, beneath the view
     assert isinstance(view, CacheConfigView), "not engaged"
     names = [f.name for f in dataclasses.fields(real) if f.name != "block_size"]
     entered: list[str] = []

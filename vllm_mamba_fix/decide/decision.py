@@ -1,11 +1,6 @@
-"""The correction rules, as pure functions of plain integers (no vLLM: tested exhaustively).
-
-- :func:`decide` (the split rule): through 0.27.1 vLLM budgets encoder inputs before the
-  Mamba split, so a chunk cut short before an image is floored to 0 and the request never
-  moves; 0.28.0 splits first (vLLM #51603).
-- :func:`speculative_stall_release` and the unshifted cut (the speculative-stall rule): from
-  0.24.0 vLLM frees an encoder input only past the drafter's look-ahead (vLLM #46315) and
-  cuts before an input by that shift; 0.33.0 does neither.
+"""The correction rules as pure functions of plain integers (no vLLM: tested exhaustively):
+:func:`decide` for the split rule, :func:`speculative_stall_release` and the unshifted cut for
+the speculative-stall rule; why each exists is its module's header (rules/).
 """
 
 from __future__ import annotations
@@ -16,21 +11,16 @@ from typing import NamedTuple
 
 
 class Action(enum.Enum):
-    """What the wrapper did to the stock result."""
-
     UNCHANGED = "unchanged"
     COLLAPSE_PREVENTED = "collapse-prevented"  # stock floored a sub-block chunk to 0
-    # A chunk from mid-block would have crossed the next boundary (a block cached with the
-    # Mamba state of an earlier position).
+    # A chunk from mid-block would have crossed the next boundary (a block with a stale state).
     REALIGNED = "realigned"
     STOPPED_AT_ENCODER_INPUT = "stopped-at-encoder-input"  # at the input, as 0.28+
-    # EAGLE-type speculation parked the request at its own held input (shifted cut, deferred
-    # free) or at two within the shift (a warm repeat); ended the 0.33 way.
+    # Parked by EAGLE's shifted cut and deferred free, or a warm repeat; ended the 0.33 way.
     SPECULATIVE_STALL_RELEASED = "speculative-stall-released"
     # The block-unit rule: ended elsewhere than cache_config.block_size would (vLLM #54076).
     BLOCK_ALIGNED = "block-aligned"
-    # A waiting request whose split answered 0 let go of the cached inputs its encoder check
-    # referenced (0.28 splits first and takes none).
+    # A waiting request's split answered 0: it let go of its encoder check's references.
     ENCODER_REFERENCES_DROPPED = "encoder-references-dropped"
 
 
@@ -40,7 +30,6 @@ class Decision(NamedTuple):
 
 
 def tokens_to_next_boundary(start: int, block_size: int) -> int:
-    """Tokens from ``start`` up to and including the next block boundary."""
     return block_size - start % block_size
 
 
@@ -52,20 +41,10 @@ def decide(
     uncut_stock_tokens: int | None = None,
     tail_frees: bool | None = None,
 ) -> Decision:
-    """Correct the stock result of ``_mamba_block_aligned_split`` for a prefill chunk.
-
-    ``stock_tokens``: vLLM's answer for at most ``num_new_tokens`` from ``start``;
-    ``uncut_stock_tokens``: where the encoder check cut the chunk, vLLM's answer for the chunk
-    it was asked (its own stops kept).
-
-    - Collapse: stock floored a chunk with tokens to 0: schedule what fits.
-    - Re-align: a chunk starting mid-block ends by the next boundary, so that block is cached
-      with its own state.
-    - Encoder stop: an encoder cut ends at the input, as upstream (0.28). Not past a
-      whole-block answer to a mid-block cut when ``tail_frees`` is False (:func:`tail_frees_room`):
-      the input waits on another request or the budget, and a chunk ended mid-block costs a
-      re-aligned chunk next step (issue 44 item 4).
-    """
+    """Correct vLLM's split answer (``uncut_stock_tokens``: its answer for the chunk asked,
+    where the encoder check cut it). An encoder cut ends at the input, as 0.28; not past a
+    whole-block answer to a mid-block cut when ``tail_frees`` is False: a chunk ended mid-block
+    costs a re-aligned chunk next step (issue 44 item 4)."""
     if num_new_tokens <= 0 or block_size <= 0 or stock_tokens < 0:
         return Decision(stock_tokens, Action.UNCHANGED)
     room = tokens_to_next_boundary(start, block_size)
@@ -88,20 +67,16 @@ def decide(
 
 
 def tail_frees_room(need: int, room: int, own_in_tail: int) -> bool:
-    """Whether computing a cut chunk's tail (past the split's whole-block answer, up to the
-    input at the cut) frees the cache room that input waits for: it does not fit now (``room``:
-    the slots left once every other reference and its own inputs stay) and fits once its own
-    inputs ending in the tail are freed. Else it fits already (the step's encoder budget kept
-    it out) or waits on another request either way.
-    """
+    """Whether computing a cut chunk's tail frees the cache room the input at the cut waits for
+    (``room``: the slots left while every reference stays)."""
     return room < need <= room + own_in_tail
 
 
 def can_need_correction(
     stock_tokens: int, num_new_tokens: int, start: int, block_size: int
 ) -> bool:
-    """False when :func:`decide` keeps the stock result whatever else holds (the fast path: a
-    full chunk that stays inside its block or starts on a boundary)."""
+    """False: :func:`decide` keeps the stock result (a full chunk inside its block or from a
+    boundary: the fast path)."""
     if stock_tokens != num_new_tokens:
         return True
     offset = start % block_size
@@ -111,9 +86,8 @@ def can_need_correction(
 def whole_chunks_may_cross(
     realigns: bool, split_stops_mid_block: bool, split_block: int, cache_block: int
 ) -> bool:
-    """Whether a whole chunk can cross a cache boundary from mid-block: only where a re-align
-    rule runs and vLLM's split keeps a mid-block start misaligned (0.15-0.26) or floors in
-    another block than the cache's."""
+    """Whether a whole chunk can cross a cache boundary from mid-block: where a re-align rule
+    runs and vLLM's split keeps it misaligned (0.15-0.26) or floors in another block."""
     return realigns and (not split_stops_mid_block or split_block != cache_block)
 
 
@@ -125,11 +99,9 @@ def configured_floor_differs(
     absolute_end: bool,
     final: bool,
 ) -> bool:
-    """Whether vLLM's floor to ``configured_block`` ends ``[start, start + num_new_tokens)``
-    elsewhere than ``start + chunk``: a chunk the block-unit rule changed. By arithmetic (the
-    split's other stops are the same in both blocks): ``absolute_end``, 0.26+ floor the end and
-    stop a mid-block start at the next boundary, 0.15-0.25 the length; ``final``, no floor.
-    """
+    """Whether vLLM's floor to ``configured_block`` ends the chunk elsewhere than ``start +
+    chunk`` (the block-unit rule changed it): ``absolute_end``, 0.26+ floor the end and stop a
+    mid-block start at the next boundary, 0.15-0.25 the length; ``final``, no floor."""
     if chunk <= 0 or configured_block <= 0:
         return False
     if final:
@@ -164,14 +136,10 @@ class StallRelease(NamedTuple):
 def speculative_stall_release(
     computed: int, shift: int, held: Mapping[int, tuple[int, int]]
 ) -> StallRelease:
-    """Whether a request that got 0 tokens is parked by its own encoder input (``held``: its
-    cached inputs' placeholder ``(offset, length)``; ``shift``: the drafter's look-ahead).
-
-    vLLM 0.24-0.32 cut ``shift`` tokens before an input they cannot schedule and free a held
-    input only ``shift`` tokens past its end, so one ending within ``computed + shift`` keeps
-    the cache full: one ending by ``computed`` is freed now, else the cut drops the shift
-    (both 0.33's way).
-    """
+    """Whether a request that got 0 tokens is parked by its own held inputs (``(offset,
+    length)`` each): vLLM 0.24-0.32 cut ``shift`` tokens before an input and free a held one
+    only ``shift`` past its end, so one ending within ``computed + shift`` keeps the cache
+    full; one ending by ``computed`` is freed now, else the cut drops the shift (as 0.33)."""
     if shift <= 0:
         return StallRelease(False, ())
     ends = {input_id: offset + length for input_id, (offset, length) in held.items()}
@@ -181,22 +149,14 @@ def speculative_stall_release(
 
 
 def unshifted_cut_needed(
-    computed: int,
-    shift: int,
-    inputs: Mapping[int, tuple[int, int]],
-    held: Collection[int],
+    computed: int, shift: int, inputs: Mapping[int, tuple[int, int]], held: Collection[int]
 ) -> bool:
-    """Whether a request that got 0 tokens at ``computed`` needs 0.33's unshifted cut
-    (``inputs``: every input's placeholder ``(offset, length)``; ``held``: ids cached).
-
-    vLLM 0.15-0.32 cut ``shift`` tokens before the first input that does not fit: two uncached
-    inputs within ``computed + shift`` that the cache cannot hold both cut 0 on every step
-    (a warm repeat: a hit one token before an evicted image's end, the next image after it).
-    """
-    if shift <= 0:
-        return False
-    reached = 0
-    for input_id, (offset, length) in inputs.items():
-        if input_id not in held and offset <= computed + shift and offset + length > computed:
-            reached += 1
-    return reached >= 2
+    """Whether a request that got 0 tokens needs 0.33's unshifted cut: vLLM 0.15-0.32 cut
+    ``shift`` tokens before the first input that does not fit, so two uncached inputs within
+    ``computed + shift`` cut 0 on every step (a warm repeat: a hit one token before an evicted
+    image's end, the next image after it)."""
+    reached = [
+        i for i, (offset, length) in inputs.items()
+        if i not in held and offset <= computed + shift and offset + length > computed
+    ]  # fmt: skip
+    return shift > 0 and len(reached) >= 2

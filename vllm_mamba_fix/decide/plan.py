@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 
 class Rule(enum.Enum):
-    """What the plugin may install; the rule table (rules/table.py) says how."""
+    """What the plugin may install; rules/table.py says how."""
 
     SPLIT = "split"
     BLOCK_UNIT = "block-unit"
@@ -29,7 +29,6 @@ class RuleVerdict(NamedTuple):
 
     @property
     def by_release(self) -> RuleVerdict:
-        """The verdict before any setting: what the release needs."""
         return self.unset or self
 
 

@@ -27,8 +27,6 @@ from vllm_mamba_fix.facts.versions import Family, Verdict
 
 
 class Facts(NamedTuple):
-    """What a rule's need is decided from."""
-
     settings: Settings
     family: Family
     evidence: Evidence
@@ -51,39 +49,29 @@ def split_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
 
 
 def _split_need(facts: Facts) -> RuleVerdict:
-    family, evidence = facts.family, facts.evidence
-    if evidence.split_after_encoder is not None:
-        by_version = family.verdict is Verdict.PATCH
-        if evidence.split_after_encoder:
-            if by_version:
-                note = ""
-            elif evidence.schedule_owner != "Scheduler":
-                note = "; on this release only a scheduler with its own schedule() needs it"
-            else:
-                note = "; the version alone would have left it (a pre-fix build)"
-            return RuleVerdict(
-                Rule.SPLIT, True, "code",
-                f"{evidence.schedule_owner}.schedule budgets encoder inputs before the split, so "
-                f"a sub-block cut becomes 0{note}",
-            )  # fmt: skip
+    found, owner = facts.evidence.split_after_encoder, facts.evidence.schedule_owner
+    by_version = facts.family.verdict is Verdict.PATCH
+    if found is None:
+        return RuleVerdict(Rule.SPLIT, by_version, "version", facts.family.summary)
+    if not found:
         note = "; the version alone would have patched (a backport)" if by_version else ""
-        return RuleVerdict(
-            Rule.SPLIT, False, "code",
-            f"{evidence.schedule_owner}.schedule splits before encoder budgeting (vLLM #51603)"
-            f"{note}",
-        )  # fmt: skip
-    return RuleVerdict(Rule.SPLIT, family.verdict is Verdict.PATCH, "version", family.summary)
+        why = f"{owner}.schedule splits before encoder budgeting (vLLM #51603){note}"
+        return RuleVerdict(Rule.SPLIT, False, "code", why)
+    note = ""
+    if not by_version and owner != "Scheduler":
+        note = "; on this release only a scheduler with its own schedule() needs it"
+    elif not by_version:
+        note = "; the version alone would have left it (a pre-fix build)"
+    why = f"{owner}.schedule budgets encoder inputs before the split, so a sub-block cut becomes 0"
+    return RuleVerdict(Rule.SPLIT, True, "code", why + note)
 
 
 def block_unit_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
+    why = "every release's split floors to cache_config.block_size (vLLM #54076); engages for "
+    why += "each scheduler whose Mamba KV cache stores another block"
+    need = RuleVerdict(Rule.BLOCK_UNIT, True, "version", why)
     if facts.family.verdict is Verdict.ABSENT:
         need = RuleVerdict(Rule.BLOCK_UNIT, False, "version", facts.family.summary)
-    else:
-        need = RuleVerdict(
-            Rule.BLOCK_UNIT, True, "version",
-            "every release's split floors to cache_config.block_size (vLLM #54076); engages for "
-            "each scheduler whose Mamba KV cache stores another block",
-        )  # fmt: skip
     if not facts.settings.switched_on(ENV_BLOCK_RULE):
         return _switched_off(need, ENV_BLOCK_RULE)
     return need
@@ -92,11 +80,8 @@ def block_unit_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
 def speculative_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
     family, evidence = facts.family, facts.evidence
     if not family.drafter_fallback:
-        return RuleVerdict(
-            Rule.SPECULATIVE_STALL, False, "version",
-            "before 0.24 the model runner asserts on any encoder-cache miss; the watchdog names "
-            "such stalls instead",
-        )  # fmt: skip
+        why = "before 0.24 the model runner asserts on any encoder-cache miss; the watchdog names "
+        return RuleVerdict(Rule.SPECULATIVE_STALL, False, "version", why + "such stalls instead")
     found = evidence.deferred_encoder_free
     deferred = family.deferred_encoder_free if found is None else found
     how = "only past the drafter's look-ahead" if deferred else "without a look-ahead delay"
@@ -110,10 +95,8 @@ def watchdog_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
         return RuleVerdict(Rule.STALL_WATCHDOG, False, "setting", f"{ENV_STALL_SECONDS}=off")
     # It watches where a fix rule runs (a release that needs one).
     active = any(earlier[rule].active for rule in (Rule.SPLIT, Rule.SPECULATIVE_STALL))
-    return RuleVerdict(
-        Rule.STALL_WATCHDOG, active, "setting",
-        f"after {seconds:g} s" if active else "no fix rule installed",
-    )  # fmt: skip
+    why = f"after {seconds:g} s" if active else "no fix rule installed"
+    return RuleVerdict(Rule.STALL_WATCHDOG, active, "setting", why)
 
 
 def stall_end_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
@@ -136,13 +119,10 @@ class Preflight(enum.Enum):
 
     @property
     def waits_for_scheduler(self) -> bool:
-        """Whether ``register()`` goes on to patch the scheduler once its module is imported."""
         return self is Preflight.FORCED or self is Preflight.PROCEED
 
 
 class PreflightResult(NamedTuple):
-    """The outcome, and the one line that says why (its log level is the caller's)."""
-
     outcome: Preflight
     reason: str
 
@@ -150,24 +130,17 @@ class PreflightResult(NamedTuple):
 def preflight(mode: Mode, family: Family, version: str) -> PreflightResult:
     """At ``register()``: whether to wait for the scheduler, and why."""
     if mode is Mode.OFF:
-        return PreflightResult(
-            Preflight.DISABLED, f"disabled by {ENV_MODE}; vLLM {version} left untouched"
-        )
+        why = f"disabled by {ENV_MODE}; vLLM {version} left untouched"
+        return PreflightResult(Preflight.DISABLED, why)
     if family.verdict is Verdict.ABSENT:
-        return PreflightResult(
-            Preflight.ABSENT,
-            f"vLLM {version} has no Scheduler._mamba_block_aligned_split (added in 0.15.0)",
-        )
+        why = f"vLLM {version} has no Scheduler._mamba_block_aligned_split (added in 0.15.0)"
+        return PreflightResult(Preflight.ABSENT, why)
     if family.verdict is Verdict.UNKNOWN and mode is not Mode.FORCE:
-        reason = (
-            f"cannot read the vLLM version {version!r}; leaving vLLM untouched "
-            f"(set {ENV_MODE}=force to patch anyway)"
-        )
-        return PreflightResult(Preflight.UNREADABLE_VERSION, reason)
+        why = f"cannot read the vLLM version {version!r}; leaving vLLM untouched"
+        why += f" (set {ENV_MODE}=force to patch anyway)"
+        return PreflightResult(Preflight.UNREADABLE_VERSION, why)
     if mode is Mode.FORCE:
-        return PreflightResult(
-            Preflight.FORCED, f"{ENV_MODE}=force: patching vLLM {version} regardless"
-        )
-    return PreflightResult(
-        Preflight.PROCEED, f"vLLM {version}: family {family.name} ({family.summary})"
-    )
+        why = f"{ENV_MODE}=force: patching vLLM {version} regardless"
+        return PreflightResult(Preflight.FORCED, why)
+    why = f"vLLM {version}: family {family.name} ({family.summary})"
+    return PreflightResult(Preflight.PROCEED, why)

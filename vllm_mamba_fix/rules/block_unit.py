@@ -8,20 +8,12 @@
 # Decided:  by the version (absent before 0.15: decide/policy.py, block_unit_verdict), then per
 #           built scheduler by its kv_cache_config.
 # Removed:  when vLLM fixes #54076; pinning --block-size to the cache's block leaves it idle.
-"""The block-unit rule: engaged once per scheduler, nothing of its own per call.
-
-Where a scheduler's Mamba KV cache stores another block than ``cache_config.block_size``, it
-gets, once, a view of its ``cache_config`` with the cache's block (:func:`view_for`), through
-the record of changes. In every release read (0.15-0.34) the split is the scheduler's only
-reader of ``self.cache_config.block_size``, so every split then floors in the cache's block:
-the chunk vLLM schedules with ``--block-size`` pinned to it, with no per-call swap. Per call it
-only counts, on the slow path, a chunk the configured block would have ended elsewhere.
-
-Where the cache's block is longer than any chunk the split is asked (``starved``), a split
-floored in it returns 0 for all but a prompt's last chunk on 0.15-0.26 (pinned stock hangs)
-and advances sub-block on 0.27+; there vLLM's configured answer, stopped at the next cache
-boundary (:func:`stop_at_cache_boundary`), is the chunk, and one asked past the cache's block
-(0.34) is asked through the view (:func:`asked_through`). No vLLM import.
+"""The block-unit rule: a scheduler whose sizes differ gets, once, a view of its
+``cache_config`` with the cache's block (:func:`view_for`); the split is its only reader in
+every release (0.15-0.34), so every split floors as with ``--block-size`` pinned. Where the
+cache's block is longer than any chunk (``starved``), pinned stock returns 0 on 0.15-0.26:
+vLLM's configured answer stopped at the next cache boundary is the chunk, and one asked past
+the cache's block (0.34) is asked through the view (:func:`asked_through`). No vLLM import.
 """
 
 from __future__ import annotations
@@ -43,29 +35,35 @@ def view_for(scheduler: Any, unit: BlockUnit, block_rule: bool) -> CacheConfigVi
     current = vars(scheduler).get(CACHE_CONFIG_ATTR)
     if isinstance(current, CacheConfigView):
         return current  # engaged by an earlier settlement (the class re-wrapped)
+    cache, configured = unit.mamba, unit.configured
+    stores = f"the Mamba KV cache stores {cache}-token blocks but cache_config.block_size is "
+    warning = (
+        f"{stores}{configured}, and {ENV_BLOCK_RULE}=0 leaves vLLM's own split aligned to "
+        f"{configured}: its chunks can end inside a cached block and cache a stale Mamba state "
+        f"(vLLM #54076); pin --block-size {cache}"
+    )
     if not block_rule:
-        extra = fields("block-mismatch", **sizes)
-        logger.warning("vllm-mamba-fix: %s", unit.mismatch_warning(ENV_BLOCK_RULE), extra=extra)
+        logger.warning("vllm-mamba-fix: %s", warning, extra=fields("block-mismatch", **sizes))
         return None
     if current is None:
-        logger.warning(
-            "vllm-mamba-fix: the block-unit rule stands down for %s: its cache_config is not "
-            "an instance attribute; %s",
-            name,
-            unit.mismatch_warning(ENV_BLOCK_RULE),
-            extra=fields("stands-down", rule="block-unit", **sizes),
-        )
+        extra = fields("stands-down", rule="block-unit", **sizes)
+        line = "vllm-mamba-fix: the block-unit rule stands down for %s: its cache_config is "
+        logger.warning(line + "not an instance attribute; %s", name, warning, extra=extra)
         return None
     extra = fields("block-engaged", rule="block-unit", **sizes)
-    logger.info("vllm-mamba-fix: %s", unit.engaged_line(name), extra=extra)
+    line = (
+        f"block-unit rule engaged for {name}: {stores}{configured}; every prefill chunk, text "
+        f"and multimodal, now ends where vLLM with --block-size {cache} would end it (vLLM "
+        f"#54076; pinning --block-size {cache} makes the rule idle)"
+    )
+    logger.info("vllm-mamba-fix: %s", line, extra=extra)
     return view_of(current, int(unit.mamba or 0))
 
 
 def asked_through(view: CacheConfigView, split: Callable[..., int], scheduler: Any,
                   call: Any) -> int:  # fmt: skip
-    """``starved``, a chunk asked past the cache's block (a release whose split is asked more
-    than the threshold, 0.34): vLLM's split asked once more with the view set for that call,
-    so the chunk is pinned stock's (its multi-block chunks), then the scheduler's own back."""
+    """``starved``, a chunk asked past the cache's block (0.34): vLLM's split asked again with
+    the view set for that call, so the chunk is pinned stock's."""
     real = vars(scheduler)[CACHE_CONFIG_ATTR]
     scheduler.cache_config = view
     try:
@@ -75,5 +73,4 @@ def asked_through(view: CacheConfigView, split: Callable[..., int], scheduler: A
 
 
 def stop_at_cache_boundary(start: int, answer: int, size: int) -> int:
-    """``starved``: vLLM's configured answer, stopped at the next boundary of the cache's."""
     return min(answer, tokens_to_next_boundary(start, size))

@@ -1,7 +1,6 @@
 """What a request's encoder inputs need, read from the scheduler: the proofs that a 0 never
-clears (:func:`own_inputs_proof`: its own inputs never fit, whatever others do;
-:func:`cross_hold_proof`: stalled requests hold the space each other needs), and whether a 0 is
-the speculative stall (:func:`stalled_inputs`). The arithmetic is ``decide/``'s; no vLLM import.
+clears (its own inputs never fit; stalled requests hold the space each other needs), and
+whether a 0 is the speculative stall. The arithmetic is ``decide/``'s; no vLLM import.
 """
 
 from __future__ import annotations
@@ -15,18 +14,15 @@ from vllm_mamba_fix.decide.stalls import REPEATED, Hold, Streak, cross_hold_bloc
 
 def num_embeds(request: Any, input_id: int) -> int:
     getter = getattr(request, "get_num_encoder_embeds", None)
-    if getter is not None:
-        return int(getter(input_id))
-    return int(request.mm_features[input_id].mm_position.length)
+    return int(getter(input_id) if getter else request.mm_features[input_id].mm_position.length)
 
 
 def encoder_cut_shift(scheduler: Any) -> int:
     """The tokens vLLM leaves before an encoder input it cannot schedule: 0.28+ pass
     ``num_prefill_lookahead``, 0.15-0.27 ``1 if use_eagle else 0``."""
     lookahead = getattr(scheduler, "num_prefill_lookahead", None)
-    if lookahead is not None:
-        return int(lookahead)
-    return 1 if getattr(scheduler, "use_eagle", False) else 0
+    eagle = 1 if getattr(scheduler, "use_eagle", False) else 0
+    return int(lookahead) if lookahead is not None else eagle
 
 
 def _placeholder(request: Any, input_id: int) -> tuple[int, int]:
@@ -52,9 +48,7 @@ def stalled_inputs(
 def _has_embeds(position: Any, lo: int, hi: int) -> bool:
     """Whether placeholder tokens ``[lo, hi)`` (relative) hold embeddings vLLM schedules."""
     mask = getattr(position, "is_embed", None)
-    if mask is None:
-        return True
-    part = mask[lo:hi]
+    part = mask[lo:hi] if mask is not None else [True]
     return bool(part.any()) if hasattr(part, "any") else any(part)
 
 
@@ -67,9 +61,8 @@ OwnInputs = tuple[dict[Any, int], dict[Any, int], int, "int | None"]
 
 
 def own_inputs(scheduler: Any, request: Any, start: int, end: int) -> OwnInputs | None:
-    """(held, needed, cache size, per-step budget) of :func:`stalls.own_inputs_block` for the
-    chunk ``[start, end)``, the smallest vLLM would not return as 0 (its shift included);
-    None where nothing can be proven."""
+    """:func:`stalls.own_inputs_block`'s arguments for the smallest chunk ``[start, end)`` vLLM
+    would not return as 0; None where nothing can be proven."""
     if getattr(scheduler, "is_encoder_decoder", False) or not request.mm_features:
         return None
     manager = scheduler.encoder_cache_manager
@@ -105,8 +98,8 @@ Stalled = tuple[Any, int, int]
 
 
 def cache_holds(scheduler: Any) -> tuple[list[Hold], int] | None:
-    """The encoder cache entries requests reference, with their sizes, and the tokens free or
-    referenced by no request (vLLM evicts those on demand); None where it cannot be read."""
+    """The cache entries requests reference, with their sizes, and the tokens free or referenced
+    by none (vLLM evicts those on demand); None where it cannot be read."""
     manager = scheduler.encoder_cache_manager
     cached = getattr(manager, "cached", None)
     free = getattr(manager, "num_freeable_slots", None)
@@ -128,9 +121,8 @@ def cache_holds(scheduler: Any) -> tuple[list[Hold], int] | None:
 def cross_hold_proof(
     scheduler: Any, request: Any, stalled: Mapping[str, Stalled], ending: frozenset[str]
 ) -> str | None:
-    """Why ``request`` (one of the named ``stalled``) must be ended to break stalled requests'
-    hold on each other's encoder cache space, or None. A stall its own inputs already keep
-    (:func:`own_inputs_proof`) counts as ending; one of unknown needs as free to move."""
+    """Why ``request`` must be ended to break named stalls' hold on each other's cache space, or
+    None. A stall its own inputs keep counts as ending; one of unknown needs as free to move."""
     read = cache_holds(scheduler)
     if read is None or request.request_id not in stalled:
         return None

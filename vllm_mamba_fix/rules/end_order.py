@@ -1,10 +1,6 @@
-"""The order the watchdog leaves for the stall end, and whether a scheduler can carry one out.
-
-The watchdog orders the end of a proven stall (:func:`order_end`, from
-:mod:`vllm_mamba_fix.rules.stall_watch`) and the stall end takes the orders at the safe point
-(:func:`take_orders`, from :mod:`vllm_mamba_fix.rules.stall_end`); neither imports the other.
-The orders are the session's (:class:`Orders`), per scheduler weakly. vLLM's types are read
-only inside :func:`support`.
+"""The order the watchdog (``stall_watch``) leaves for the stall end (``stall_end``, at the
+safe point), so neither imports the other, and whether a scheduler can carry one out. vLLM's
+types are read only inside :func:`support`.
 """
 
 from __future__ import annotations
@@ -27,9 +23,7 @@ class EndOrder:
     request_id: str
     position: int
     computed: int  # request.num_computed_tokens when ordered: unchanged, or no end
-    # The rules.zero_streaks.ZeroStreaks that holds ``streak`` (not imported: the chain of
-    # imports from the table stays within the limit).
-    store: Any
+    store: Any  # the ZeroStreaks holding ``streak`` (not imported: the import chain's limit)
     streak: Streak
     log_line: str
     message: str  # what the client reads
@@ -64,24 +58,19 @@ def support_of(scheduler: Any) -> str | None:
 
 
 class Orders(weakref.WeakKeyDictionary[Any, dict[str, EndOrder]]):
-    """The session's memory: per scheduler, request id -> the order the update wrapper
-    carries out."""
+    """The session's memory: per scheduler, request id -> its end order."""
 
 
 def order_end(scheduler: Any, order: EndOrder) -> None:
-    """Leave ``order`` for the stall end of ``scheduler`` (its next ``update_from_output``)."""
     installation.memory[Orders].setdefault(scheduler, {})[order.request_id] = order
 
 
 def take_orders(scheduler: Any) -> list[EndOrder]:
     """The orders left for ``scheduler``, taken: each is carried out once or dropped."""
     pending = installation.memory[Orders]
-    if not pending:
-        return []
-    orders = pending.pop(scheduler, None)
+    orders = pending.pop(scheduler, None) if pending else None
     return list(orders.values()) if orders else []
 
 
 def ordered(scheduler: Any) -> frozenset[str]:
-    """The requests of ``scheduler`` ordered to end and not yet ended."""
     return frozenset(installation.memory[Orders].get(scheduler) or ())

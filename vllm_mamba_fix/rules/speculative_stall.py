@@ -10,11 +10,8 @@
 # Removed:  0.33.0 frees without the delay and cuts without the shift: the rule goes with the
 #           last supported 0.32 (its carrier stays the split rule's ear while that rule runs).
 """The speculative-stall rule, per 0 of the encoder-input check (carried by
-:mod:`vllm_mamba_fix.rules.encoder_wrapper`): where the check gave 0 twice at the same position
-of an in-scope request and its held inputs keep the shifted cut from passing the next one, or
-two uncached inputs sit within the shift (``encoder_facts.stalled_inputs``), it frees the held
-inputs the request is past, through vLLM's own path, and asks the check again without the
-shift; a retry that gives tokens is the answer. No vLLM import.
+``encoder_wrapper``): where ``stalled_inputs`` says the 0 is the stall, it frees the held
+inputs the request is past and asks again without the shift; a retry with tokens is the answer.
 """
 
 from __future__ import annotations
@@ -32,17 +29,8 @@ from vllm_mamba_fix.rules.encoder_facts import stalled_inputs as stalled_inputs
 EncoderResult = tuple[Any, ...]
 
 
-def _free_encoder_input(scheduler: Any, request: Any, input_id: int) -> None:
-    """Free through vLLM's own path, so the freed entry reaches the workers as usual."""
-    free = getattr(scheduler, "_free_encoder_input", None)  # 0.32+: also tells the EC connector
-    if free is not None:
-        free(request, input_id)
-    else:
-        scheduler.encoder_cache_manager.free_encoder_input(request, input_id)
-
-
 class EncoderCall(NamedTuple):
-    """One call of vLLM's encoder-input check, as its wrapper got it."""
+    """One call of vLLM's encoder-input check."""
 
     scheduler: Any
     request: Any
@@ -61,8 +49,10 @@ def release(
     """Free ``to_free`` and ask vLLM's ``check`` again without the shift; its answer if it
     gives tokens (counted, with the scheduler's ``block_size`` for the log), else None."""
     scheduler, request, computed = call.scheduler, call.request, call.computed
+    # vLLM's own path, so the freed entry reaches the workers (0.32+: the EC connector too).
+    free = getattr(scheduler, "_free_encoder_input", None)
     for input_id in to_free:
-        _free_encoder_input(scheduler, request, input_id)
+        (free or scheduler.encoder_cache_manager.free_encoder_input)(request, input_id)
     retry = check(scheduler, request, computed, call.asked, call.encoder_budget, 0)
     if not retry[1]:
         return None

@@ -1,8 +1,6 @@
-"""What the split rule reads beyond one call's numbers, kept out of its module: the split
-method's known parameters, and on the slow path the references a waiting request's encoder
-check took where its split answers 0 (dropped, as 0.28, which splits first, never takes them;
-issue 44 item 4). ``split_rule.tail_frees_room_at`` and ``eagle_remainder_waits`` stay in the
-rule's module: a corrected call enters at most four package files. No vLLM import.
+"""What the split rule reads beyond one call's numbers: the split method's known parameters,
+and on the slow path the references a waiting request's encoder check took where its split
+answers 0 (dropped, as 0.28 never takes them; issue 44 item 4). No vLLM import.
 """
 
 from __future__ import annotations
@@ -15,12 +13,9 @@ from vllm_mamba_fix.facts.targets import KNOWN_SPLIT_TRAILING_PARAMETERS, SPLIT_
 
 
 def drop_waiting_references(scheduler: Any, request: Any) -> bool:
-    """A waiting request whose chunk is 0 lets go of the cached inputs it took a reference on.
-
-    Through 0.27.1 the encoder check, run before the split in the waiting loop too, references
-    every cached input in the chunk; where the split answers 0 those references hold the
-    inputs while another request's input does not fit. A running request keeps its own; the
-    next step's check takes them again. Returns whether it dropped any (counted)."""
+    """A waiting request whose chunk is 0 lets go of the cached inputs it referenced (through
+    0.27.1 the encoder check runs before the split there too, and those references hold inputs
+    another request's needs the room of); the next step's check takes them again."""
     if getattr(getattr(request, "status", None), "name", "RUNNING") == "RUNNING":
         return False
     manager = getattr(scheduler, "encoder_cache_manager", None)
@@ -36,11 +31,9 @@ def drop_waiting_references(scheduler: Any, request: Any) -> bool:
 
 
 def has_known_parameters(method: Callable[..., int]) -> bool:
-    parameters = list(inspect.signature(method).parameters.values())[
-        len(SPLIT_LEADING_PARAMETERS) :
-    ]
-    names = tuple(p.name for p in parameters)
-    known = KNOWN_SPLIT_TRAILING_PARAMETERS
+    parameters = list(inspect.signature(method).parameters.values())
+    parameters = parameters[len(SPLIT_LEADING_PARAMETERS) :]
+    names, known = tuple(p.name for p in parameters), KNOWN_SPLIT_TRAILING_PARAMETERS
     return names in (known[:2], known) and all(
         p.kind is p.POSITIONAL_OR_KEYWORD and p.default == 0 for p in parameters
     )

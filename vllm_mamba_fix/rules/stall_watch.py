@@ -8,14 +8,11 @@
 # Decided:  by its setting, and on only where the split or the speculative-stall rule is
 #           (decide/policy.py: watchdog_verdict).
 # Removed:  with the last fix rule it watches.
-"""The watchdog: naming a stall, and the stall end's decision.
-
-Its look (:mod:`vllm_mamba_fix.rules.stall_look`, once per step) hands a streak long enough
-here: it is named (one WARNING, :func:`name_stall`); a named stall still there
-``end_stalls_after`` seconds and two samples later is ordered to end (:func:`consider`) if its
-own encoder inputs keep it there whatever others do, or it is the one victim of named stalls
-holding the cache space each other needs (``encoder_facts``). The order is carried out at the
-next step (:mod:`vllm_mamba_fix.rules.stall_end`). Reads the scheduler, imports no vLLM.
+"""The watchdog: its look (``stall_look``, once per step) hands a long streak here to be named
+(one WARNING, :func:`name_stall`); a named stall still there ``end_stalls_after`` seconds and
+two samples later is ordered to end (:func:`consider`) if its own encoder inputs keep it there
+whatever others do, or it is the one victim of stalls holding the space each other needs. The
+order is carried out at the next step (``stall_end``). No vLLM import.
 """
 
 from __future__ import annotations
@@ -55,14 +52,12 @@ from vllm_mamba_fix.rules.end_order import EndOrder, order_end, ordered, support
 from vllm_mamba_fix.rules.zero_streaks import ZeroStreaks
 
 RECHECK_SECONDS = 1.0
-# The watchdog's time, read once per step by its look (rules/stall_look.py; ``now`` goes on
-# to decide/stalls.py's pure functions); tests put a clock they advance here.
+# The watchdog's time, read once per step by its look; tests put a clock they advance here.
 clock: Callable[[], float] = time.monotonic
 
 
 class Named(weakref.WeakKeyDictionary[Any, dict[str, tuple[ZeroStreaks, Streak]]]):
-    """The session's memory: per scheduler, weakly, request id -> (store, streak) of each
-    stall named there."""
+    """The session's memory: per scheduler, request id -> (store, streak) of a named stall."""
 
 
 def _held_by_others(scheduler: Any, facts: OwnInputs | None) -> bool:
@@ -76,9 +71,7 @@ def _held_by_others(scheduler: Any, facts: OwnInputs | None) -> bool:
 
 def _named_stalls(scheduler: Any) -> dict[str, Stalled]:
     """The stalls named on ``scheduler`` still there (the others are forgotten)."""
-    named = installation.memory[Named].get(scheduler)
-    if not named:
-        return {}
+    named = installation.memory[Named].get(scheduler) or {}
     stalled: dict[str, Stalled] = {}
     for rid, (store, streak) in list(named.items()):
         request = scheduler.requests.get(rid)
@@ -90,12 +83,17 @@ def _named_stalls(scheduler: Any) -> dict[str, Stalled]:
     return stalled
 
 
+def _split_rule(scheduler: Any) -> Any:
+    """The options of the split wrapper on ``scheduler``'s class where its split rule runs."""
+    options = getattr(getattr(type(scheduler), SPLIT_METHOD, None), MARKER, None)
+    return options if getattr(options, "deadlock_rules", False) else None
+
+
 def split_window_end(scheduler: Any, request: Any, position: int) -> int:
     """End of the smallest chunk the split does not floor to 0: where the split rule acts, one
-    token past the cut's look-ahead (0.28's order, as the encoder check's); else the next
-    boundary of the smallest unit any split floors to."""
-    options = getattr(getattr(type(scheduler), SPLIT_METHOD, None), MARKER, None)
-    if getattr(options, "deadlock_rules", False) and options.scope.in_scope(request):
+    token past the cut's look-ahead (0.28's order); else the next boundary."""
+    options = _split_rule(scheduler)
+    if options is not None and options.scope.in_scope(request):
         end = position + 1 + encoder_cut_shift(scheduler)
         return min(end, int(request.num_prompt_tokens))
     return _boundary_end(scheduler, request, position)
@@ -126,8 +124,6 @@ def _report(scheduler: Any, request: Any, streak: Streak, now: float) -> StallRe
 
 
 class Heard(NamedTuple):
-    """One stop the watchdog heard: its streak, when, and what the stall end may do."""
-
     store: ZeroStreaks  # the scheduler's streaks
     streak: Streak
     now: float  # the watchdog's clock
@@ -136,13 +132,10 @@ class Heard(NamedTuple):
 
 
 def name_stall(scheduler: Any, request: Any, heard: Heard, speculative: bool | None) -> None:
-    """The watchdog names the stall (one WARNING); ``speculative`` as
-    :func:`vllm_mamba_fix.rules.stall_look.speculative_zero` says (None: a cut only the
-    split floors to 0)."""
+    """One WARNING; ``speculative`` as ``stall_look.speculative_zero`` says (None: a cut only
+    the split floors to 0)."""
     store, streak, now, end_after, window_end = heard
-    streak.warned = True
-    streak.named_at = now
-    streak.window_end = window_end
+    streak.warned, streak.named_at, streak.window_end = True, now, window_end
     _named_stalls(scheduler)  # forget the stalls that ended since
     installation.memory[Named].setdefault(scheduler, {})[request.request_id] = (store, streak)
     counters.record_stall(request_id=request.request_id, stalled_for=now - streak.since)
@@ -151,18 +144,14 @@ def name_stall(scheduler: Any, request: Any, heard: Heard, speculative: bool | N
     cause = stall_cause(bool(speculative), waited, report.cache_size, report.compute_budget)
     facts = own_inputs(scheduler, request, streak.position, window_end)
     proof = None if facts is None else own_inputs_block(*facts)
-    split_options = getattr(getattr(type(scheduler), SPLIT_METHOD, None), MARKER, None)
-    split_rule = bool(getattr(split_options, "deadlock_rules", False))
-    split_floor = speculative is None and request.mm_features and not split_rule
+    split_floor = speculative is None and request.mm_features and _split_rule(scheduler) is None
     if split_floor and cause is StallCause.UNKNOWN:
         cause = StallCause.SPLIT_FLOOR
     elif cause is StallCause.UNKNOWN and proof is None:
         # What keeps stock's split at 0 here (the cause, not the proof): the boundary's.
         if speculative is None:
-            facts = own_inputs(
-                scheduler, request, streak.position,
-                _boundary_end(scheduler, request, streak.position),
-            )  # fmt: skip
+            end = _boundary_end(scheduler, request, streak.position)
+            facts = own_inputs(scheduler, request, streak.position, end)
         if _held_by_others(scheduler, facts):
             cause = StallCause.SHARED_CACHE
     streak.cause = cause
@@ -177,7 +166,6 @@ def name_stall(scheduler: Any, request: Any, heard: Heard, speculative: bool | N
 
 
 def _end_note(scheduler: Any, proof: str | None, end_after: float) -> str:
-    """What the stall end will do with a stall just named, for its WARNING."""
     if proof is None:
         return (
             "; not ended while its own encoder inputs fit and it may be waiting for "
@@ -194,8 +182,7 @@ def _end_note(scheduler: Any, proof: str | None, end_after: float) -> str:
 
 
 def consider(scheduler: Any, request: Any, heard: Heard) -> None:
-    """Another 0 of a named stall: order its end once the bound is past and it is proven
-    (``heard.end_after`` set)."""
+    """Another 0 of a named stall: order its end once the bound is past and it is proven."""
     store, streak, now, end_after, window_end = heard
     if end_after is None:
         return
@@ -234,9 +221,6 @@ def consider(scheduler: Any, request: Any, heard: Heard) -> None:
 
 def log_moving_again(request_id: str, position: int) -> None:
     counters.record_stall(resolved=True, request_id=request_id)
-    logger.info(
-        "vllm-mamba-fix: request %s moves again (was stalled at token %d)",
-        request_id,
-        position,
-        extra=fields("stall-moved", request_id=request_id, position=position),
-    )
+    extra = fields("stall-moved", request_id=request_id, position=position)
+    line = "vllm-mamba-fix: request %s moves again (was stalled at token %d)"
+    logger.info(line, request_id, position, extra=extra)

@@ -1,8 +1,6 @@
-"""The stores of zero-token streaks: one per encoder-check wrapper (the speculative-stall rule's
-repeat) and one per scheduler the watchdog samples (:mod:`vllm_mamba_fix.rules.stall_look`).
-A streak is plain data (:class:`vllm_mamba_fix.decide.stalls.Streak`); the stores are state, so
-they live here, not in ``decide/``. The session knows every store (:class:`Stores`), so
-:func:`forget_request`, called when vLLM frees a request, leaves no streak behind. No vLLM import.
+"""The stores of zero-token streaks (state, so not in ``decide/``): one per encoder-check
+wrapper and one per scheduler the watchdog samples. The session knows every store, so
+:func:`forget_request`, called when vLLM frees a request, leaves no streak behind.
 """
 
 from __future__ import annotations
@@ -18,8 +16,6 @@ MAX_TRACKED_REQUESTS = 4096
 
 
 class ZeroStreaks:
-    """Consecutive 0-token results per request, bounded in size."""
-
     def __init__(self, capacity: int = MAX_TRACKED_REQUESTS) -> None:
         # Read-only outside this class; the hot path tests it directly (a dict's truth and
         # membership are C calls, a __bool__ is not).
@@ -40,11 +36,9 @@ class ZeroStreaks:
             self.by_request.move_to_end(request_id)
             return streak, None
         with self._lock:
-            streak = self.by_request.pop(request_id, None)
-            moved = None
-            if streak is None or streak.position != position:
-                moved = streak
-                streak = Streak(position, 0, now)
+            old = self.by_request.pop(request_id, None)
+            kept = old is not None and old.position == position  # another thread's 0 there
+            streak, moved = (old, None) if kept else (Streak(position, 0, now), old)
             streak.steps += steps
             self.by_request[request_id] = streak
             if len(self.by_request) > self._capacity:
@@ -52,17 +46,15 @@ class ZeroStreaks:
             return streak, moved
 
     def clear(self, request_id: str) -> Streak | None:
-        """The request got tokens: end its streak, returning it."""
         with self._lock:
             return self.by_request.pop(request_id, None)
 
 
 class Stores(weakref.WeakSet[ZeroStreaks]):
-    """The session's memory of every store (held weakly)."""
+    """The session's memory of every store."""
 
 
 def forget_request(request_id: str) -> None:
-    """The request is finished or aborted: drop its streaks everywhere."""
     for store in list(installation.memory[Stores]):
         if store.by_request:
             store.clear(request_id)
