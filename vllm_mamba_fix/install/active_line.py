@@ -1,7 +1,5 @@
 """The one line each scheduler class built logs at start-up (at most :data:`ACTIVE_LINE_LIMIT`
-characters: version, class, rules, block, settings changed from their defaults), the warnings
-before it, and why each rule runs or not at DEBUG and in the record's fields.
-"""
+characters), the warnings before it, and the reasons at DEBUG and in the record's fields."""
 
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ class Installed(Protocol):  # what the line reads of plugin.py's installation
 ACTIVE_LINE_LIMIT = 300  # characters: one line an operator reads, as vLLM's own INFO lines
 
 
-def _reasons_text(result: ClassRecord) -> str:
-    """Why each rule runs or not, and what an inherited rule rides on: the DEBUG line's."""
+def _reasons_text(result: ClassRecord) -> str:  # and what an inherited rule rides on
     parts = [result.plan.describe(frozenset(v.rule for v in result.plan.verdicts))]
     for rule in sorted(result.inherited, key=lambda r: r.value):
         method = next((m for m in result.methods if rule in m.rules), None)  # its carrier

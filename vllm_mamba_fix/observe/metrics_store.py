@@ -97,7 +97,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except OSError:  # another user's process: alive
-        return True
+        pass
     return True
 
 
@@ -117,8 +117,7 @@ class Collector:
         self._local, self._warn = local, warn
         self.directory = ""  # until attach() names one
 
-    def describe(self) -> list[Any]:
-        # No names up front: REGISTRY would otherwise collect() while metrics.py holds its lock.
+    def describe(self) -> list[Any]:  # none: REGISTRY would collect() under metrics.py's lock
         return []
 
     def collect(self) -> Any:

@@ -44,8 +44,7 @@ def _stat_fields(pid: int) -> list[str] | None:
         return None
 
 
-def _start_ticks(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot: unlike the wall clock, never stepped."""
+def _start_ticks(pid: int) -> int | None:  # in ticks since boot: unlike the clock, never stepped
     fields = _stat_fields(pid)
     try:
         return int(fields[19]) if fields else None  # field 22 of proc(5)
@@ -76,8 +75,7 @@ def _boot() -> str:
     return digits[:16] if re.fullmatch(r"[0-9a-f]{32}", digits) else "0"
 
 
-def directory_name(token: str) -> str:
-    """This serving process's directory name: who made it, so a later start can tell."""
+def directory_name(token: str) -> str:  # who made it, so that a later start can tell
     pid = os.getpid()
     return f"{PREFIX}{pid}-{_start_ticks(pid) or 0}-{_pid_namespace()}-{_boot()}-{token}"
 
@@ -112,7 +110,7 @@ def _only_gone_writers(path: str) -> bool:
 
 
 def sweep(keep: Iterable[str | None] = (), directory: str | None = None) -> list[str]:
-    """Remove the directories of gone serving processes; the paths removed. Never raises."""
+    """The paths of gone serving processes' directories it removed. Never raises."""
     try:
         return _sweep(keep, directory or tempfile.gettempdir())
     except Exception as exc:

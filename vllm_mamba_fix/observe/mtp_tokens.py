@@ -41,14 +41,6 @@ def affected(use_eagle: Any, unit: BlockUnit, prefix_caching: Any) -> bool:
     return use_eagle is True and unit.mamba is not None and prefix_caching is True
 
 
-def line(scheduler_class: str) -> str:
-    """The warning, after the plugin's ``vllm-mamba-fix: ``."""
-    return (
-        f"{scheduler_class} runs {COMBINATION}: vLLM can emit wrong tokens after a "
-        f"prefix-cache hit ({VLLM_ISSUE}; {RELEASES}); {CAUSE}; {WORKAROUND}"
-    )
-
-
 def warn_once(scheduler: Any, unit: BlockUnit, scheduler_class: str) -> None:
     """One warning per scheduler class built in the combination; never raises."""
     try:
@@ -57,8 +49,12 @@ def warn_once(scheduler: Any, unit: BlockUnit, scheduler_class: str) -> None:
         )
         if not affected(getattr(scheduler, "use_eagle", None), unit, prefix_caching):
             return
+        line = (
+            f"{scheduler_class} runs {COMBINATION}: vLLM can emit wrong tokens after a "
+            f"prefix-cache hit ({VLLM_ISSUE}; {RELEASES}); {CAUSE}; {WORKAROUND}"
+        )
         say_once(
-            logging.WARNING, line(scheduler_class), event=EVENT,
+            logging.WARNING, line, event=EVENT,
             scheduler_class=scheduler_class, block=unit.mamba, vllm_issue=VLLM_ISSUE,
         )  # fmt: skip
     except Exception as exc:  # a log line must never break the engine core

@@ -107,8 +107,7 @@ def identity(vllm_config: Any) -> Labels:
     return (("engine", str(int(index or 0))), ("model_name", "" if model is None else str(model)))
 
 
-def with_labels(series: Series, extra: Labels) -> Labels:
-    """The series' own labels and ``extra``, sorted by name (one key per label set)."""
+def with_labels(series: Series, extra: Labels) -> Labels:  # sorted: one key per label set
     return tuple(sorted({**dict(series.labels), **dict(extra)}.items()))
 
 

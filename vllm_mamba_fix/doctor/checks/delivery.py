@@ -1,7 +1,5 @@
-"""Will vLLM load and run the plugin: whether its loader would find and load ``register``,
-whether ``VLLM_PLUGINS`` allows it, the plugin's own settings (read through
-:func:`vllm_mamba_fix.facts.config.raw_values`, the environment's one reader), and the platform
-plugins installed."""
+"""Will vLLM load and run the plugin: its entry point, ``VLLM_PLUGINS``, the plugin's settings
+(read through :mod:`vllm_mamba_fix.facts.config`), and the platform plugins installed."""
 
 from __future__ import annotations
 

@@ -92,18 +92,16 @@ def _is_custom_proposer_path(model: str) -> bool:
     return len(parts) >= 2 and all(part.isidentifier() for part in parts)
 
 
-def _knows(methods: SpeculativeMethods, method: str) -> bool:
-    return methods.known is None or method in methods.known
-
-
 def _from_model(model: str, methods: SpeculativeMethods, given: bool) -> str | None:
     """The method vLLM infers from the draft model's name (None: only its config can tell)."""
+    known = methods.known
+    known = ("custom_class", *(m for _, m in _NAME_HINTS)) if known is None else known  # all
     if not given and model in ("ngram", "[ngram]"):
         return "ngram"
-    if not given and _is_custom_proposer_path(model) and _knows(methods, "custom_class"):
+    if not given and _is_custom_proposer_path(model) and "custom_class" in known:
         return "custom_class"
     hint = next((m for key, m in _NAME_HINTS if key in model.lower()), None)
-    return hint if hint is not None and _knows(methods, hint) else None
+    return hint if hint in known else None
 
 
 def classify_speculative(config: Mapping[str, Any], methods: SpeculativeMethods) -> dict[str, Any]:
