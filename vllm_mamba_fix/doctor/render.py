@@ -95,9 +95,8 @@ def _rule_rows(data: Mapping[str, Any]) -> list[str]:
         if entry["active"] and not delivered:
             why = f"vLLM will not load the plugin; {why}"
         why = f"{why}; {entry['problem']}" if entry.get("problem") else why
-        state = (
-            "runs" if entry["active"] and entry.get("installs") and delivered else "does not run"
-        )
+        runs = entry["active"] and entry.get("installs") and delivered
+        state = "runs" if runs else "does not run"
         rows.append(f"  {entry['rule']:<{width}}  {state:<12} {why}")
     spec = data.get("speculative", {})
     if spec.get("visible"):

@@ -33,9 +33,7 @@ def block_fact(record: ClassRecord) -> dict[str, object]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Found:
-    """What the install records say (:func:`of_records`)."""
-
+class Found:  # what the install records say (of_records)
     base: ClassRecord | None  # the base Scheduler's record; None: the plugin kept none
     needed: frozenset[Rule]  # fix rules the base's code or version needs, before any setting
     # Rules a class needs beyond the base: by its own schedule(), or by a built one's block sizes.
@@ -95,10 +93,7 @@ class Policy:
 
 
 @dataclasses.dataclass(frozen=True)
-class Setup:
-    """What the records cannot hold: the release, what the settings let run, the engine's
-    speculative set-up and whether vLLM loads the plugin."""
-
+class Setup:  # what the records cannot hold
     family: Family
     version: str
     should_patch: bool  # the plugin will act (not off, the version readable or forced)

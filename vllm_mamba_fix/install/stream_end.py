@@ -120,20 +120,6 @@ def _engine_sends_errors() -> bool:
     return "error" in getattr(EngineCoreOutput, "__struct_fields__", ())
 
 
-def ended_message(output: Any, prefix: str) -> str | None:
-    """The plugin's message if ``output`` is its end of a choice with no tokens, else None."""
-    reason = getattr(output, "stop_reason", None)
-    if (
-        getattr(output, "finish_reason", None) == "abort"
-        and isinstance(reason, str)
-        and reason.startswith(prefix)
-        and not getattr(output, "token_ids", None)
-        and not getattr(output, "text", None)
-    ):
-        return reason
-    return None
-
-
 class Watch:
     """``result_generator``, item for item; at its end, the error for a choice the plugin ended
     that never streamed a token (vLLM sends the others' finish itself)."""
@@ -169,8 +155,11 @@ class Watch:
             key = (prompt, output.index)
             if output.token_ids or output.text:
                 self._streamed.add(key)
-            elif self._ended is None and key not in self._streamed:
-                self._ended = ended_message(output, self._prefix)
+            elif self._ended is None and key not in self._streamed:  # the plugin's end, no token
+                reason = getattr(output, "stop_reason", None)
+                ours = isinstance(reason, str) and reason.startswith(self._prefix)
+                if ours and getattr(output, "finish_reason", None) == "abort":
+                    self._ended = reason
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # never the source's private state (nor a loop before init)
@@ -181,8 +170,8 @@ class Watch:
 def _wrap(original: Callable[..., Any], shape: Shape, error_cls: type[Exception]) -> Any:
     from vllm_mamba_fix.rules.marking import marked
 
-    parameters = list(inspect.signature(original).parameters)
-    position = parameters.index(RESULTS_PARAMETER)  # counts self: args here exclude it
+    # Counts self, which args here exclude.
+    position = list(inspect.signature(original).parameters).index(RESULTS_PARAMETER)
 
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -196,9 +185,8 @@ def _wrap(original: Callable[..., Any], shape: Shape, error_cls: type[Exception]
         return original(self, *args, **kwargs)
 
     def _watched(source: Any) -> Any:
-        if not callable(getattr(source, "__anext__", None)):
-            return source
-        return Watch(source, shape.pairs, error_cls)
+        iterates = callable(getattr(source, "__anext__", None))
+        return Watch(source, shape.pairs, error_cls) if iterates else source
 
     return marked(wrapper, original, shape)
 
@@ -238,9 +226,7 @@ def _install(module: ModuleType, target: Target) -> None:
     name = f"{target.cls}.{target.method}"
     try:
         with _lock:
-            if _engine_sends_errors():
-                return
-            decided = _decide(module, target)
+            decided = None if _engine_sends_errors() else _decide(module, target)
             if decided is None:
                 return
             if isinstance(decided, str):

@@ -1,11 +1,7 @@
-"""Where :mod:`vllm_mamba_fix.observe.metrics` keeps the values, and how the API server reads them.
-
-- :class:`Writer`: an engine core's counter and gauge files in prometheus_client's multiprocess
-  format, named for the plugin (never shared with another metric of the process); the gauge
-  file is removed at exit, as ``mark_process_dead`` does for ``live*`` gauges.
-- :class:`Local`: the values of the process that serves them (an engine in the API server).
-- :class:`Collector`: the API server's reader of a private directory plus :class:`Local`, with
-  ``MultiProcessCollector``'s semantics; a dead process's gauge file is skipped.
+"""Where :mod:`vllm_mamba_fix.observe.metrics` keeps the values: an engine core's own files in
+prometheus_client's multiprocess format (:class:`Writer`; the gauge file removed at exit, as
+``mark_process_dead`` does), the serving process's own (:class:`Local`), and the API server's
+reader of both (:class:`Collector`, ``MultiProcessCollector``'s semantics, dead gauges skipped).
 """
 
 from __future__ import annotations

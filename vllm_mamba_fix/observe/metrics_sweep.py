@@ -1,7 +1,5 @@
-"""The private metrics directories of serving processes that are gone, removed at start.
-
-Each API server's directory (:func:`vllm_mamba_fix.observe.metrics.attach`) is removed at its
-exit; a SIGKILL skips that. The next server to start removes those left, and only those:
+"""The private metrics directories of serving processes that are gone, removed at start (an API
+server removes its own at exit, which a SIGKILL skips). Only those:
 
 - named by :func:`directory_name` with this host's boot and this pid namespace, where the pid
   in the name means what it means here (a temporary directory may be shared between
@@ -11,8 +9,7 @@ exit; a SIGKILL skips that. The next server to start removes those left, and onl
 - holding only the plugin's counter files, each of a writer that no longer runs.
 
 A process that cannot read its own pid namespace and boot removes nothing, and says so.
-``PROMETHEUS_MULTIPROC_DIR`` is never looked into (a dead process's counter file there is
-part of the totals). Never raises.
+``PROMETHEUS_MULTIPROC_DIR`` is never looked into (its dead writers' files are in the totals).
 """
 
 from __future__ import annotations

@@ -87,9 +87,8 @@ class ClassRecord:
             "inherited": sorted(rule.value for rule in self.inherited),
             "block_size": None if self.block is None else self.block.mamba,
             "cache_config_block_size": None if self.block is None else self.block.configured,
-            "block_rule_engaged": Rule.BLOCK_UNIT in self.rules
-            and self.block is not None
-            and self.block.differs,
+            "block_rule_engaged": bool(self.block and self.block.differs)
+            and Rule.BLOCK_UNIT in self.rules,
             "split_idle": self.split_idle,
             "methods": [
                 {"name": m.name, "state": m.state.value, "owner": m.owner, "wraps": m.wraps,

@@ -1,6 +1,5 @@
-"""Speculative decoding: is a ``--speculative-config`` EAGLE-type, and what the plugin does.
-The engine decides it only at start; ``--speculative-config`` lets doctor classify it, as
-vLLM does."""
+"""Speculative decoding, which the engine decides only at start: is a ``--speculative-config``
+EAGLE-type (classified as vLLM does), and what the plugin does."""
 
 from __future__ import annotations
 
