@@ -76,14 +76,10 @@ def _is_empty_skip(node: ast.If) -> bool:
     )
 
 
-def _yields_on_error(node: ast.AST) -> bool:
-    if not isinstance(node, ast.Try):
+def _yields_on_error(node: ast.AST) -> bool:  # except GenerationError: ... yield ...
+    if not (isinstance(node, ast.ExceptHandler) and isinstance(node.type, ast.Name)):
         return False
-    for handler in node.handlers:
-        kind = handler.type
-        if isinstance(kind, ast.Name) and kind.id == ERROR_CLASS:
-            return any(isinstance(sub, ast.Yield) for b in handler.body for sub in ast.walk(b))
-    return False
+    return node.type.id == ERROR_CLASS and any(isinstance(n, ast.Yield) for n in ast.walk(node))
 
 
 def read_shape(source: str) -> Shape:

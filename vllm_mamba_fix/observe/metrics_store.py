@@ -22,6 +22,7 @@ FILE_PREFIX = "counter_vllm-mamba-fix-"  # "counter_": the type MultiProcessColl
 GAUGE_FILE_PREFIX = "gauge_mostrecent_vllm-mamba-fix-"  # a gauge, in "mostrecent" mode
 _GAUGE_FILE = re.compile(r"gauge_[a-z]+_vllm-mamba-fix-(\d{1,10})\.db")
 PLUGIN_PREFIX = "vllm_mamba_fix"
+Values = dict[tuple[Series, Labels], float]
 
 
 def _remove_at_exit(path: str) -> None:
@@ -79,7 +80,7 @@ class Local:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.values: dict[tuple[Series, Labels], float] = {}
+        self.values: Values = {}
 
     def put(self, series: Series, labels: Labels, value: float, add: bool) -> None:
         if add:
@@ -101,10 +102,7 @@ class Collector:
     """This process's values plus the files its engine cores write under ``directory``."""
 
     def __init__(
-        self,
-        multiprocess: Any,
-        local: Callable[[], dict[tuple[Series, Labels], float]],
-        warn: Callable[..., None],
+        self, multiprocess: Any, local: Callable[[], Values], warn: Callable[..., None]
     ) -> None:
         from prometheus_client.metrics_core import Metric
 
