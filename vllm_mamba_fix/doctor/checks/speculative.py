@@ -145,10 +145,8 @@ def parse_speculative_config(value: str) -> dict[str, Any]:
 
 
 def mtp_output_warning(eagle: bool | None, method: Any, version: str, family: Family) -> str | None:
-    """vLLM #53912 for an EAGLE-type method on a release with the split (0.15+), or None:
-    wrong tokens after a prefix-cache hit on hybrid models, in vLLM's model runner
-    (:mod:`vllm_mamba_fix.observe.mtp_tokens`). A warning about vLLM that changes neither the
-    verdict nor the exit code; doctor cannot see the model or ``--enable-prefix-caching``."""
+    """vLLM #53912 (:mod:`vllm_mamba_fix.observe.mtp_tokens`) for an EAGLE-type method on 0.15+,
+    or None: it changes neither verdict nor exit code (doctor sees no model, no prefix caching)."""
     if eagle is not True or family.verdict is Verdict.ABSENT:
         return None
     return (
