@@ -23,9 +23,8 @@ Exit codes:
      internal error
 """
 
-# The package (the docstring above is --help): checks/ fill in a JSON body, verdict reads the
-# install records the dry run made (never the log text), render prints the JSON. The top
-# layer: only core.py imports install/plugin.py; the environment only through config.
+# The docstring above is --help. checks/ fill in a JSON body, verdict reads the install records
+# (never the log text), render prints the JSON; only core.py imports install/plugin.py.
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""``main()``, the command, and ``run()``: the checks in order, each filling in its part of the
-JSON body, then the verdict, whose one input is the install records the dry run made
-(:func:`vllm_mamba_fix.doctor.verdict.of_records`). The one doctor module that imports
-:mod:`vllm_mamba_fix.install.plugin`: it hands it to the dry run and the entry-point check."""
+"""``main()``, the command, and ``run()``: the checks in order, then the verdict from the install
+records the dry run made. The one doctor module that imports :mod:`vllm_mamba_fix.install.plugin`
+(it hands it to the dry run and the entry-point check)."""
 
 from __future__ import annotations
 
@@ -27,9 +26,7 @@ from vllm_mamba_fix.rules.table import plan
 
 
 @dataclasses.dataclass
-class _Run:
-    """What the steps of one run share."""
-
+class _Run:  # what the steps of one run share
     report: Report
     settings: Settings
     setup: verdict.Setup

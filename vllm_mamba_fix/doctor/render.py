@@ -1,7 +1,6 @@
-"""The report rendered from its JSON body (``Report.data``): the text for people, ``--json``,
-and ``--report``, which fences the same rows as the text to paste into a bug report next to
-``python -m vllm.collect_env``. Only what ``collect_env`` does not show (torch, Python, the OS,
-the CPU and the GPUs are its)."""
+"""The report rendered from its JSON body: the text, ``--json``, and ``--report`` (the text's rows
+fenced for a bug report, beside ``python -m vllm.collect_env``, which shows torch, Python, the OS
+and the hardware)."""
 
 from __future__ import annotations
 
@@ -66,7 +65,6 @@ def _dry_run_rows(data: Mapping[str, Any]) -> list[str]:
 
 
 def _support_rows(data: Mapping[str, Any]) -> list[str]:
-    """Whether the counters reach /metrics and a stall no rule can end can be ended."""
     rows, metrics, stall_end = [], data.get("metrics"), data.get("stall_end") or {}
     if metrics:
         state = {True: "available", False: "NOT available", None: "not checked"}
@@ -79,8 +77,7 @@ def _support_rows(data: Mapping[str, Any]) -> list[str]:
     return rows
 
 
-def _delivered(data: Mapping[str, Any]) -> bool:
-    """vLLM will load the plugin: the entry point is found and ``VLLM_PLUGINS`` allows it."""
+def _delivered(data: Mapping[str, Any]) -> bool:  # the entry point found, VLLM_PLUGINS allows
     return bool(
         data.get("entry_point", {}).get("found") and data.get("vllm_plugins", {}).get("allows")
     )
@@ -98,9 +95,8 @@ def _rule_rows(data: Mapping[str, Any]) -> list[str]:
         if entry["active"] and not delivered:
             why = f"vLLM will not load the plugin; {why}"
         why = f"{why}; {entry['problem']}" if entry.get("problem") else why
-        state = (
-            "runs" if entry["active"] and entry.get("installs") and delivered else "does not run"
-        )
+        runs = entry["active"] and entry.get("installs") and delivered
+        state = "runs" if runs else "does not run"
         rows.append(f"  {entry['rule']:<{width}}  {state:<12} {why}")
     spec = data.get("speculative", {})
     if spec.get("visible"):
@@ -189,8 +185,7 @@ def _settings_rows(data: Mapping[str, Any]) -> list[str]:
     return rows
 
 
-def issue_body(data: Mapping[str, Any]) -> str:
-    """The report's facts, one row each: the text report and ``--report`` both print it."""
+def issue_body(data: Mapping[str, Any]) -> str:  # the text report's rows and --report's
     body = [*_plugin_rows(data), "", *_rule_rows(data), *_block_rows(data), *_support_rows(data)]
     body += ["", *_dry_run_rows(data), *_scheduler_rows(data), "", *_settings_rows(data)]
     for heading, items in (("problems", data.get("problems")), ("warnings", data.get("warnings"))):
@@ -226,6 +221,6 @@ def render_text(report: Report, elapsed: float) -> str:
 def render_output(report: Report, elapsed: float, as_json: bool, as_issue: bool) -> str:
     if as_issue:
         return render_issue(report.data)
-    return (
-        json.dumps(report.data, indent=2, default=str) if as_json else render_text(report, elapsed)
-    )
+    if as_json:
+        return json.dumps(report.data, indent=2, default=str)
+    return render_text(report, elapsed)

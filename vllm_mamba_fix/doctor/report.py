@@ -33,8 +33,7 @@ VERDICT_TEXT = {
 }
 
 
-def package_path() -> str:
-    """The folder this interpreter imports the plugin from."""
+def package_path() -> str:  # where this interpreter imports the plugin from
     return os.path.dirname(os.path.abspath(_version.__file__))
 
 
@@ -43,15 +42,12 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def names_text(names: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
+def names_text(names: list[str]) -> str:  # a; a and b; a, b and c
     return " and ".join(names) if len(names) <= 2 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 @dataclasses.dataclass
-class Report:
-    """The JSON body (``data``) and its two lists; the text and --report are rendered from it."""
-
+class Report:  # the JSON body, and its two lists
     problems: list[str] = dataclasses.field(default_factory=list)  # why not protected
     warnings: list[str] = dataclasses.field(default_factory=list)
     data: dict[str, Any] = dataclasses.field(default_factory=dict)

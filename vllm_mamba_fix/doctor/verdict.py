@@ -1,7 +1,5 @@
-"""The verdict, pure functions (no I/O, no vLLM import). :func:`of_records` reads its one input,
-the install records (of a real ``register()`` or of doctor's dry run of it, the same code path);
-:func:`policy` adds what no record holds: the release, the settings' outcome, a
---speculative-config, and whether vLLM loads the plugin."""
+"""The verdict, pure functions: :func:`of_records` reads its one input, the install records (of
+a real ``register()`` or of doctor's dry run of it); :func:`policy` adds what no record holds."""
 
 from __future__ import annotations
 
@@ -26,7 +24,6 @@ PER_SCHEDULER: frozenset[Rule] = frozenset({Rule.BLOCK_UNIT})
 
 
 def block_fact(record: ClassRecord) -> dict[str, object]:
-    """What a built scheduler's record says about its two block sizes."""
     unit = record.block  # only built schedulers' records are facts: never None
     engaged = Rule.BLOCK_UNIT in record.rules and unit.differs and not record.split_idle
     return {"class": record.scheduler_class, "block_size": unit.mamba,
@@ -36,9 +33,7 @@ def block_fact(record: ClassRecord) -> dict[str, object]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Found:
-    """What the install records say (:func:`of_records`)."""
-
+class Found:  # what the install records say (of_records)
     base: ClassRecord | None  # the base Scheduler's record; None: the plugin kept none
     needed: frozenset[Rule]  # fix rules the base's code or version needs, before any setting
     # Rules a class needs beyond the base: by its own schedule(), or by a built one's block sizes.
@@ -54,12 +49,10 @@ class Found:
         return self.base.plan.rules if self.base is not None else frozenset()
 
     @property
-    def release(self) -> Plan | None:
-        """The base's plan before any setting: what the release needs, and why."""
+    def release(self) -> Plan | None:  # the base's plan before any setting
         return Plan(tuple(v.by_release for v in self.base.plan.verdicts)) if self.base else None
 
-    def decided(self, will_patch: bool) -> Plan | None:
-        """What the plugin runs with the user's settings (None: it will not act)."""
+    def decided(self, will_patch: bool) -> Plan | None:  # None: the plugin will not act
         return self.base.plan if will_patch and self.base is not None else None
 
 
@@ -100,10 +93,7 @@ class Policy:
 
 
 @dataclasses.dataclass(frozen=True)
-class Setup:
-    """What the records cannot hold: the release, what the settings let run, the engine's
-    speculative set-up and whether vLLM loads the plugin."""
-
+class Setup:  # what the records cannot hold
     family: Family
     version: str
     should_patch: bool  # the plugin will act (not off, the version readable or forced)
@@ -116,7 +106,6 @@ class Setup:
 
 
 def needed_rules(found: Found, setup: Setup) -> frozenset[Rule]:
-    """The fix rules this deployment needs."""
     if setup.family.verdict is Verdict.UNKNOWN:  # only force patches an unreadable version
         needed = {Rule.SPLIT} if setup.should_patch else set()
     elif found.base is None:  # nothing was read from code: the release data decides
@@ -135,7 +124,6 @@ def _said(v: RuleVerdict) -> str:
 
 
 def policy(found: Found, setup: Setup) -> Policy:
-    """What the release needs and whether the plugin will act."""
     needed, reason = needed_rules(found, setup), setup.preflight_reason
     if needed and setup.should_patch:
         verdict, reason = "needed-will-patch", _needed_reason(needed, found, setup)
@@ -198,9 +186,7 @@ def _unneeded(found: Found, setup: Setup) -> tuple[str, str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Delivery:
-    """Whether vLLM will load and run the plugin, as the checks found."""
-
+class Delivery:  # whether vLLM will load and run the plugin
     mode: Mode
     mode_env: str | None  # the raw VLLM_MAMBA_FIX value
     entry_point_error: str | None  # None: vLLM finds and loads ``register``
@@ -235,7 +221,6 @@ def problems(
 
 
 def status(chosen: Policy | None, bad_input: list[str], found_problems: list[str]) -> str:
-    """``chosen`` None: vLLM or its version could not be read."""
     if bad_input:
         return "invalid-input"
     if chosen is None or chosen.verdict == "unsupported":
@@ -256,7 +241,7 @@ def summary(status_: str, version: str | None, reason: str, found_problems: list
 
 
 def rule_problems(found: Found, dry_error: str | None) -> dict[Rule, str]:
-    """Why each rule the base class's plan gives would not run on it, from its record."""
+    """Why each rule the base class's plan gives would not run on it."""
     result: dict[Rule, str] = {}
     for rule in found.base.left_out if found.base is not None else ():
         method = found.base.method(RULE_METHOD[rule])
@@ -268,14 +253,14 @@ def rule_problems(found: Found, dry_error: str | None) -> dict[Rule, str]:
 def switched_off(
     decided: Plan | None, needed: frozenset[Rule], settings: Settings
 ) -> dict[Rule, str]:
-    """Needed rules that the settings the plugin runs with switch off (the table's switch)."""
+    """Needed rules that the settings the plugin runs with switch off."""
+    if decided is None:
+        return {}
+    off = [s for s in RULES if s.rule in needed and s.switch in settings.switched_off]
     return {
-        spec.rule: f"{spec.rule.value} is switched off by {spec.switch}=0"
-        for spec in RULES
-        if decided is not None
-        and spec.rule in needed
-        and not decided.verdict(spec.rule).active
-        and spec.switch in settings.switched_off
+        s.rule: f"{s.rule.value} is switched off by {s.switch}=0"
+        for s in off
+        if not decided.verdict(s.rule).active
     }
 
 
@@ -309,11 +294,8 @@ def rule_entries(
     decided, release = found.decided(setup.should_patch), found.release or setup.by_version
     entries: list[dict[str, Any]] = []
     for spec in RULES:
-        rule, by_version, by_code = (
-            spec.rule,
-            setup.by_version.verdict(spec.rule),
-            release.verdict(spec.rule),
-        )
+        rule = spec.rule
+        by_version, by_code = setup.by_version.verdict(rule), release.verdict(rule)
         version = {"active": by_version.active, "reason": by_version.reason}
         code = {"active": by_code.active, "reason": by_code.reason}
         if by_code.basis != "code":  # the code could not tell

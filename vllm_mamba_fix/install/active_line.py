@@ -1,7 +1,5 @@
 """The one line each scheduler class built logs at start-up (at most :data:`ACTIVE_LINE_LIMIT`
-characters: version, class, rules, block, settings changed from their defaults), the warnings
-before it, and why each rule runs or not at DEBUG and in the record's fields.
-"""
+characters), the warnings before it, and the reasons at DEBUG and in the record's fields."""
 
 from __future__ import annotations
 
@@ -28,15 +26,6 @@ class Installed(Protocol):  # what the line reads of plugin.py's installation
 
 
 ACTIVE_LINE_LIMIT = 300  # characters: one line an operator reads, as vLLM's own INFO lines
-
-
-def _reasons_text(result: ClassRecord) -> str:
-    """Why each rule runs or not, and what an inherited rule rides on: the DEBUG line's."""
-    parts = [result.plan.describe(frozenset(v.rule for v in result.plan.verdicts))]
-    for rule in sorted(result.inherited, key=lambda r: r.value):
-        method = next((m for m in result.methods if rule in m.rules), None)  # its carrier
-        parts.append(f"{rule.value} [inherited: {method.note if method else ''}]")
-    return "; ".join(p for p in parts if p)
 
 
 def _active_line(result: ClassRecord, installed: Installed) -> str:
@@ -104,10 +93,15 @@ def log_record(result: ClassRecord, installed: Installed) -> None:
     ]  # fmt: skip
     wraps = [m.wraps or m.name for m in wrapped]
     reasons = {v.rule.value: f"{v.basis}: {v.reason}" for v in result.plan.verdicts}
+    why = [result.plan.describe(frozenset(v.rule for v in result.plan.verdicts))]
+    for rule in sorted(result.inherited, key=lambda r: r.value):  # and what it rides on
+        method = next((m for m in result.methods if rule in m.rules), None)
+        why.append(f"{rule.value} [inherited: {method.note if method else ''}]")
+    why_text = "; ".join(p for p in why if p)
     logger.debug(
         "vllm-mamba-fix: why %s carries what it does: %s; block size %s%s; wraps %s "
         "(family %s, scope %s)",
-        cls, _reasons_text(result), "unknown (dry run)" if unit is None else unit.describe(),
+        cls, why_text, "unknown (dry run)" if unit is None else unit.describe(),
         idle, ", ".join(wraps) or "nothing", installed.family.name,
         installed.settings.scope.value,
         extra=fields("setup", scheduler_class=cls, wraps=wraps, reasons=reasons),

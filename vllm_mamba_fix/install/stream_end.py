@@ -6,13 +6,10 @@
 # Runs on:  0.15.0-0.32.x, on a generator whose source shows that skip (read_shape).
 # Decided:  by vLLM's code, never by the version.
 # Removed:  0.33 sends a RequestError that vLLM streams itself (EngineCoreOutput.error).
-"""No engine-side output gets past that skip ("Chunked prefill case, don't return empty
-chunks"), so in the API server each generator's ``result_generator`` is watched, each item
-passed on unchanged; a choice the plugin ended (``abort``, its cause as ``stop_reason``) with no
-token streamed raises the release's ``GenerationError`` at the end, which the generator's own
-``except`` turns into vLLM's error event before ``[DONE]``. Every wrapper and import hook is a
-recorded change (:data:`TAG`, :data:`HOOK_TAG`).
-"""
+"""No engine-side output gets past that skip, so each generator's ``result_generator`` is
+watched: a choice the plugin ended (``abort``, its cause as ``stop_reason``) with no token
+streamed raises the release's ``GenerationError`` at the end, which the generator's own
+``except`` turns into vLLM's error event before ``[DONE]``."""
 
 from __future__ import annotations
 
@@ -61,40 +58,28 @@ class Shape(NamedTuple):
     pairs: bool = False  # the results are (prompt index, RequestOutput) pairs
 
 
-# -- the code's shape -------------------------------------------------------------------------
-
-
-def _name(node: ast.AST) -> str:
-    """``delta_text`` of ``delta_text``, ``token_ids`` of ``output.token_ids``, else ''."""
+def _name(node: ast.AST) -> str:  # delta_text of delta_text or of output.delta_text
     return getattr(node, "id", None) or getattr(node, "attr", "")
 
 
-def _is_empty_skip(node: ast.AST) -> bool:
+def _is_empty_skip(node: ast.If) -> bool:
     """``if not <text> and not <token ids> and ...: continue``."""
-    if not (isinstance(node, ast.If) and len(node.body) == 1):
+    test, body = node.test, node.body
+    if not (len(body) == 1 and isinstance(body[0], ast.Continue)):
         return False
-    test = node.test
-    if not (isinstance(node.body[0], ast.Continue) and isinstance(test, ast.BoolOp)):
+    if not (isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And)):
         return False
-    negated = [
-        _name(v.operand) for v in test.values
-        if isinstance(v, ast.UnaryOp) and isinstance(v.op, ast.Not)
-    ]  # fmt: skip
-    return (
-        isinstance(test.op, ast.And)
-        and any(name.endswith("text") for name in negated)
-        and any(name.endswith("token_ids") for name in negated)
+    negated = [_name(v.operand) for v in test.values
+               if isinstance(v, ast.UnaryOp) and isinstance(v.op, ast.Not)]  # fmt: skip
+    return any(n.endswith("text") for n in negated) and any(
+        n.endswith("token_ids") for n in negated
     )
 
 
-def _yields_on_error(node: ast.AST) -> bool:
-    if not isinstance(node, ast.Try):
+def _yields_on_error(node: ast.AST) -> bool:  # except GenerationError: ... yield ...
+    if not (isinstance(node, ast.ExceptHandler) and isinstance(node.type, ast.Name)):
         return False
-    for handler in node.handlers:
-        kind = handler.type
-        if isinstance(kind, ast.Name) and kind.id == ERROR_CLASS:
-            return any(isinstance(sub, ast.Yield) for b in handler.body for sub in ast.walk(b))
-    return False
+    return node.type.id == ERROR_CLASS and any(isinstance(n, ast.Yield) for n in ast.walk(node))
 
 
 def read_shape(source: str) -> Shape:
@@ -131,40 +116,15 @@ def _engine_sends_errors() -> bool:
     return "error" in getattr(EngineCoreOutput, "__struct_fields__", ())
 
 
-# -- the watch over one stream's results ------------------------------------------------------
-
-
-def ended_message(output: Any, prefix: str) -> str | None:
-    """The plugin's message (it starts with ``prefix``, ``end_order.CLIENT_MESSAGE_PREFIX``) if
-    ``output`` is its end of a choice with no tokens, else None."""
-    reason = getattr(output, "stop_reason", None)
-    if (
-        getattr(output, "finish_reason", None) == "abort"
-        and isinstance(reason, str)
-        and reason.startswith(prefix)
-        and not getattr(output, "token_ids", None)
-        and not getattr(output, "text", None)
-    ):
-        return reason
-    return None
-
-
 class Watch:
-    """``result_generator``, item for item; at its end, the error for a choice the plugin ended.
+    """``result_generator``, item for item; at its end, the error for a choice the plugin ended
+    that never streamed a token (vLLM sends the others' finish itself)."""
 
-    Only the choices that never streamed a token are reported: vLLM sends the finish of
-    the others itself. Attributes other than the iteration (``aclose``...) are the source's.
-    """
+    def __init__(self, source: Any, pairs: bool, error_cls: type[Exception]) -> None:
+        from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX
 
-    def __init__(
-        self, source: Any, pairs: bool, error_cls: type[Exception], prefix: str | None = None
-    ) -> None:
-        if prefix is None:  # handed by _wrap; read here only where a test builds a Watch
-            from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX as prefix
-        self._prefix = prefix
-        self._source = source
-        self._pairs = pairs
-        self._error_cls = error_cls
+        self._source, self._pairs, self._error_cls = source, pairs, error_cls
+        self._prefix = CLIENT_MESSAGE_PREFIX
         self._streamed: set[tuple[Any, Any]] = set()
         self._ended: str | None = None
 
@@ -191,8 +151,11 @@ class Watch:
             key = (prompt, output.index)
             if output.token_ids or output.text:
                 self._streamed.add(key)
-            elif self._ended is None and key not in self._streamed:
-                self._ended = ended_message(output, self._prefix)
+            elif self._ended is None and key not in self._streamed:  # the plugin's end, no token
+                reason = getattr(output, "stop_reason", None)
+                ours = isinstance(reason, str) and reason.startswith(self._prefix)
+                if ours and getattr(output, "finish_reason", None) == "abort":
+                    self._ended = reason
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # never the source's private state (nor a loop before init)
@@ -201,11 +164,10 @@ class Watch:
 
 
 def _wrap(original: Callable[..., Any], shape: Shape, error_cls: type[Exception]) -> Any:
-    from vllm_mamba_fix.rules.end_order import CLIENT_MESSAGE_PREFIX
     from vllm_mamba_fix.rules.marking import marked
 
-    parameters = list(inspect.signature(original).parameters)
-    position = parameters.index(RESULTS_PARAMETER)  # counts self: args here exclude it
+    # Counts self, which args here exclude.
+    position = list(inspect.signature(original).parameters).index(RESULTS_PARAMETER)
 
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -219,14 +181,11 @@ def _wrap(original: Callable[..., Any], shape: Shape, error_cls: type[Exception]
         return original(self, *args, **kwargs)
 
     def _watched(source: Any) -> Any:
-        if not callable(getattr(source, "__anext__", None)):
-            return source
-        return Watch(source, shape.pairs, error_cls, CLIENT_MESSAGE_PREFIX)
+        iterates = callable(getattr(source, "__anext__", None))
+        return Watch(source, shape.pairs, error_cls) if iterates else source
 
     return marked(wrapper, original, shape)
 
-
-# -- install and undo -------------------------------------------------------------------------
 
 _lock = threading.Lock()
 TAG = __name__  # the wrapped generators, in the record of changes
@@ -263,9 +222,7 @@ def _install(module: ModuleType, target: Target) -> None:
     name = f"{target.cls}.{target.method}"
     try:
         with _lock:
-            if _engine_sends_errors():
-                return
-            decided = _decide(module, target)
+            decided = None if _engine_sends_errors() else _decide(module, target)
             if decided is None:
                 return
             if isinstance(decided, str):

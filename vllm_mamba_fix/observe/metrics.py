@@ -1,14 +1,11 @@
-"""The plugin's series at ``vllm serve``'s own ``/metrics``, as ``vllm_mamba_fix_*`` series.
+"""The plugin's ``vllm_mamba_fix_*`` series at ``vllm serve``'s own ``/metrics``.
 
 The counts are made in the engine core and ``/metrics`` is served by the API server; vLLM
 carries no plugin figure between them, so the values travel as vLLM's own API servers share
-theirs: prometheus_client's multiprocess files (every release 0.15-0.34 serves
-``get_prometheus_registry()``). With ``PROMETHEUS_MULTIPROC_DIR`` set (``--api-server-count``
-> 1, or the user), the engine core writes its files there. Unset, :func:`attach` (in the API
-server) adds a collector to ``REGISTRY`` and names a private directory to the engine cores
-(:data:`ENV_DIR`), made by the first that counts and removed at exit. Those three are recorded
-changes; what this module remembers is the session's (:class:`Exported`). prometheus_client
-is imported lazily: without it, one line says so.
+theirs: prometheus_client's multiprocess files, in ``PROMETHEUS_MULTIPROC_DIR`` where set
+(``--api-server-count`` > 1, or the user); else :func:`attach` (in the API server) adds a
+collector to ``REGISTRY`` and names a private directory to the engine cores (:data:`ENV_DIR`),
+removed at exit. prometheus_client is imported lazily: without it, one line says so.
 """
 
 from __future__ import annotations
@@ -111,20 +108,19 @@ def _sink_here() -> Writer | Local | None:
         say_once(logging.INFO, line, why, event=None)
         return None
     shared, private = directories()
-    if shared and os.path.isdir(shared):
-        mem.writer = Writer(found[1], shared)
-    elif mem.local is not None and mem.local.pid == pid:
+    if not (shared and os.path.isdir(shared)) and (mem.local is not None and mem.local.pid == pid):
         mem.off_pid = None
         return mem.local
+    if shared and os.path.isdir(shared):
+        mem.writer = Writer(found[1], shared)
     elif private:  # the API server's, made by its first engine core; only if it is this user's
         os.makedirs(private, mode=0o700, exist_ok=True)
         if os.stat(private).st_uid != os.getuid():
             raise PermissionError(f"{private} belongs to another user")
         mem.writer = Writer(found[1], private)
-    else:
-        mem.off_pid = None
+    mem.off_pid = None  # chosen: not a failure
+    if mem.writer is None:
         return _serve_here(found, None)
-    mem.off_pid = None
     logger.debug("vllm-mamba-fix: metrics are written to %s", shared or private)
     return mem.writer
 
@@ -138,41 +134,37 @@ def _put(series: Series, labels: Labels, value: float, add: bool) -> None:
 
 def count(key: str, amount: int = 1) -> None:
     """Add ``amount`` to the series of the ``stats()`` key ``key``. Never raises."""
-    try:
-        series = SERIES.get(key)
-        if series is None:
-            say_once(logging.DEBUG, "no metric for the count %r", key, event=None)
-            return
+    try:  # every stats() key has its series (SERIES mirrors counters.KEYS)
+        series = SERIES[key]
         labels = installation.memory[Exported].identity
         _put(series, with_labels(series, labels), amount, add=True)
     except Exception as exc:
         _failed("metrics not written", exc)
 
 
-def _set(series: Series, value: float, extra: Labels = ()) -> None:
-    mem = installation.memory[Exported]
-    if mem.identity_pid == os.getpid():
-        _put(series, with_labels(series, (*mem.identity, *extra)), float(value), add=False)
+def _set(series: Series, value: float, extra: Mapping[str, str] | None = None) -> None:
+    """A gauge, only in the engine core :func:`prepare_engine` labelled. Never raises."""
+    try:
+        mem = installation.memory[Exported]
+        if mem.identity_pid == os.getpid():
+            own = tuple((str(k), str(v)) for k, v in (extra or {}).items())
+            _put(series, with_labels(series, (*mem.identity, *own)), float(value), add=False)
+    except Exception as exc:
+        _failed("metrics not written", exc)
 
 
 def stalls(standing: int, oldest_start: float) -> None:
     """The live stall gauges: named stalls standing, the oldest one's start. A start, not an
     age: a file cannot compute at scrape time; ``time() - x`` in PromQL is the age
-    (docs/deployment.md). Never raises."""
-    try:
-        _set(STALLED, standing)
-        _set(OLDEST_STALL, oldest_start if standing else 0.0)
-    except Exception as exc:
-        _failed("metrics not written", exc)
+    (docs/deployment.md)."""
+    _set(STALLED, standing)
+    _set(OLDEST_STALL, oldest_start if standing else 0.0)
 
 
 def block_sizes(mamba: int | None, split: int | None) -> None:
     """The Mamba cache's block and the split's (``cache_config.block_size``); 0: unknown."""
-    try:
-        _set(MAMBA_BLOCK, mamba or 0)
-        _set(SPLIT_BLOCK, split or 0)
-    except Exception as exc:
-        _failed("metrics not written", exc)
+    _set(MAMBA_BLOCK, mamba or 0)
+    _set(SPLIT_BLOCK, split or 0)
 
 
 def prepare(
@@ -180,10 +172,9 @@ def prepare(
     info: Mapping[str, str] | None = None,
     standing: tuple[int, float] = (0, 0.0),
 ) -> None:
-    """Create every series, so ``increase()`` and ``absent()`` see them before the first count,
-    labelled from ``scheduler``'s ``vllm_config`` (:func:`prepare_engine`). None for a
-    scheduler without Mamba KV cache groups (vLLM never calls the split: no directory, no
-    series); without a scheduler, the counters at 0, unlabelled. Never raises."""
+    """Create every series, so ``increase()`` and ``absent()`` see them before the first count:
+    labelled from ``scheduler``'s ``vllm_config``, none for a scheduler without Mamba groups (no
+    split: no directory), unlabelled without a scheduler. Never raises."""
     try:
         if scheduler is not None:
             unit = blocks.unit_of_scheduler(scheduler)
@@ -205,25 +196,20 @@ def prepare_engine(
     info: Mapping[str, str] | None = None,
     standing: tuple[int, float] = (0, 0.0),
 ) -> None:
-    """This process is the engine core of ``labels``: every counter at 0, the info series, the
-    block sizes and the stalls standing now. Never raises."""
+    """This process is the engine core of ``labels``: every series at its value now. Never
+    raises."""
     mem = installation.memory[Exported]
     mem.identity, mem.identity_pid = tuple(sorted(labels)), os.getpid()
     for key in SERIES:
         count(key, 0)
-    try:
-        _set(INFO, 1, tuple((str(k), str(v)) for k, v in (info or {}).items()))
-    except Exception as exc:
-        _failed("metrics not written", exc)
+    _set(INFO, 1, info)
     block_sizes(mamba_block, split_block)
     stalls(*standing)
 
 
 def attach() -> None:
-    """In the process that serves ``/metrics`` (not a multiprocessing child: the API server),
-    read the engine cores' counts, which inherit :data:`ENV_DIR` (an inherited value is
-    replaced). First, once per process, sweeps the directories of gone servers. Never raises.
-    """
+    """In the API server (not a multiprocessing child), read the engine cores' counts through
+    :data:`ENV_DIR`, after sweeping gone servers' directories once. Never raises."""
     try:
         if multiprocessing.parent_process() is not None:
             return
@@ -254,8 +240,8 @@ def _local_values() -> dict[tuple[Series, Labels], float]:
 
 
 def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str | None) -> Any:
-    """A collector in this process's REGISTRY; counts made here stay in memory. Holds ``_lock``.
-    Returns the directory it reads for ``attach``, or the in-memory sink."""
+    """A collector in this process's REGISTRY (holds ``_lock``): the directory it reads for
+    ``attach``, or the in-memory sink."""
     mem = installation.memory[Exported]
     if mem.collector is None:
         registry = found[0].REGISTRY
@@ -280,8 +266,7 @@ def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str
     return mem.collector.directory if directory is not None else mem.local
 
 
-def _unserve(registry: Any, collector: Collector) -> None:
-    """The undo of :func:`_serve_here`; counts made here afterwards choose their sink again."""
+def _unserve(registry: Any, collector: Collector) -> None:  # later counts choose a sink again
     with _lock:
         mem = installation.memory[Exported]
         if mem.collector is collector:
@@ -290,16 +275,14 @@ def _unserve(registry: Any, collector: Collector) -> None:
         registry.unregister(collector)
 
 
-def _remove_now(remove: Any, directory: str) -> None:
-    """The undo of the removal at exit: removed now where an engine core made it."""
+def _remove_now(remove: Any, directory: str) -> None:  # the undo: removed now, if it was made
     atexit.unregister(remove)
     if os.path.isdir(directory):
         remove()
 
 
 def support() -> Support:
-    """Whether counts made in the engine core reach ``vllm serve``'s ``/metrics``, and why not
-    (for doctor, in a process of its own). Never raises."""
+    """Whether the engine core's counts reach ``vllm serve``'s ``/metrics``. Never raises."""
     instead = "alert on the log lines instead (docs/deployment.md)"
     try:
         found = _import_prometheus()

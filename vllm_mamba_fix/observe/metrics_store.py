@@ -1,11 +1,7 @@
-"""Where :mod:`vllm_mamba_fix.observe.metrics` keeps the values, and how the API server reads them.
-
-- :class:`Writer`: an engine core's counter and gauge files in prometheus_client's multiprocess
-  format, named for the plugin (never shared with another metric of the process); the gauge
-  file is removed at exit, as ``mark_process_dead`` does for ``live*`` gauges.
-- :class:`Local`: the values of the process that serves them (an engine in the API server).
-- :class:`Collector`: the API server's reader of a private directory plus :class:`Local`, with
-  ``MultiProcessCollector``'s semantics; a dead process's gauge file is skipped.
+"""Where :mod:`vllm_mamba_fix.observe.metrics` keeps the values: an engine core's own files in
+prometheus_client's multiprocess format (:class:`Writer`; the gauge file removed at exit, as
+``mark_process_dead`` does), the serving process's own (:class:`Local`), and the API server's
+reader of both (:class:`Collector`, ``MultiProcessCollector``'s semantics, dead gauges skipped).
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ FILE_PREFIX = "counter_vllm-mamba-fix-"  # "counter_": the type MultiProcessColl
 GAUGE_FILE_PREFIX = "gauge_mostrecent_vllm-mamba-fix-"  # a gauge, in "mostrecent" mode
 _GAUGE_FILE = re.compile(r"gauge_[a-z]+_vllm-mamba-fix-(\d{1,10})\.db")
 PLUGIN_PREFIX = "vllm_mamba_fix"
+Values = dict[tuple[Series, Labels], float]
 
 
 def _remove_at_exit(path: str) -> None:
@@ -83,7 +80,7 @@ class Local:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.values: dict[tuple[Series, Labels], float] = {}
+        self.values: Values = {}
 
     def put(self, series: Series, labels: Labels, value: float, add: bool) -> None:
         if add:
@@ -97,7 +94,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except OSError:  # another user's process: alive
-        return True
+        pass
     return True
 
 
@@ -105,10 +102,7 @@ class Collector:
     """This process's values plus the files its engine cores write under ``directory``."""
 
     def __init__(
-        self,
-        multiprocess: Any,
-        local: Callable[[], dict[tuple[Series, Labels], float]],
-        warn: Callable[..., None],
+        self, multiprocess: Any, local: Callable[[], Values], warn: Callable[..., None]
     ) -> None:
         from prometheus_client.metrics_core import Metric
 
@@ -117,8 +111,7 @@ class Collector:
         self._local, self._warn = local, warn
         self.directory = ""  # until attach() names one
 
-    def describe(self) -> list[Any]:
-        # No names up front: REGISTRY would otherwise collect() while metrics.py holds its lock.
+    def describe(self) -> list[Any]:  # none: REGISTRY would collect() under metrics.py's lock
         return []
 
     def collect(self) -> Any:

