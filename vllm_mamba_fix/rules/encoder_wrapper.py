@@ -1,9 +1,7 @@
 # Carrier of: speculative-stall (rules/speculative_stall.py) and the split rule's ear.
-"""The wrapper of ``Scheduler._try_schedule_encoder_inputs``: the carrier of the
-speculative-stall rule, and the split rule's ear (every answer is noted for the split vLLM asks
-next, :mod:`vllm_mamba_fix.rules.encoder_cut`). Per call: a result with tokens returns after a
-dict check (ending the request's streak of 0s); a 0 of an in-scope request is counted for the
-rule's repeat, where that rule runs.
+"""The wrapper of ``Scheduler._try_schedule_encoder_inputs``: the speculative-stall rule's
+carrier, and the split rule's ear (each answer is noted for the split vLLM asks next). Per
+call: a result with tokens ends the request's streak of 0s; an in-scope 0 counts for the rule.
 """
 
 from __future__ import annotations

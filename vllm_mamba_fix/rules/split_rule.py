@@ -11,14 +11,10 @@
 #           split_verdict); VLLM_MAMBA_FIX=force installs it on any release.
 # Removed:  once the oldest supported release has #51603 and no supported scheduler budgets
 #           encoder inputs before the split.
-"""The split method's wrapper and the split rule, top to bottom: :class:`WrapOptions` (which
-rules a wrapper carries), the scheduler's :class:`~vllm_mamba_fix.facts.blocks.SplitState`
-settled once (:mod:`~vllm_mamba_fix.rules.split_settle`), per call vLLM's answer returned at
-once where the scheduler is quiet or no whole chunk can cross a boundary (every decode, most
-prefill chunks), and the rest, one :class:`SplitCall`, met by :meth:`SplitRule.look`: the
-block-unit rule's count, a 0 out of scope as it is, else :meth:`SplitRule.correct`
-(``decide()``, tested exhaustively in tests/unit/test_decision.py). A wrapper never raises
-anything of its own into vLLM. No vLLM import.
+"""The split method's wrapper and the split rule, top to bottom: the wrapper returns vLLM's
+answer at once wherever no rule can act (every decode, most prefill chunks); the rest, one
+:class:`SplitCall`, meets :meth:`SplitRule.look` and ``decide()`` (tested exhaustively). A
+wrapper never raises anything of its own into vLLM. No vLLM import.
 """
 
 from __future__ import annotations
@@ -42,11 +38,7 @@ from vllm_mamba_fix.decide.decision import (
 from vllm_mamba_fix.decide.scope import builtin_scope
 from vllm_mamba_fix.facts.blocks import SPLIT_ATTR, SplitState
 from vllm_mamba_fix.facts.config import Scope
-from vllm_mamba_fix.facts.targets import (
-    EXTRA_COMPUTED_PARAMETERS,
-    Args,
-    Kwargs,
-)
+from vllm_mamba_fix.facts.targets import EXTRA_COMPUTED_PARAMETERS, Args, Kwargs
 from vllm_mamba_fix.facts.versions import PrefillGate
 from vllm_mamba_fix.observe import counters, record
 from vllm_mamba_fix.rules import block_unit, encoder_cut, split_reads

@@ -12,21 +12,15 @@
 # Removed:  with the watchdog.
 """Ending a stall no rule can end: one request, with vLLM's own scheduler-side finish.
 
-Read in every release 0.15.1-0.33.0 (scheduler, engine core, output processor, OpenAI
-serving): each ends a request it fails on a KV-load failure inside ``update_from_output``
-with ``finish_requests(ids, FINISHED_ERROR)`` (which frees its blocks and encoder inputs and
-records it as finished) and one ``EngineCoreOutput`` per request in
-``outputs[request.client_index]``; its return differs by release (None, pairs, requests), so
-the request is read before. ``FinishReason.ERROR`` reaches the client as HTTP 500 with the
-cause lost, so 0.15-0.32 end with ABORT and the message as ``stop_reason``; 0.33's
-``EngineCoreOutput.error`` (a ``RequestError``) carries it, so there the end is
-``FINISHED_ERROR``. The safe point: ``EngineCore`` processes client aborts right before
-``update_from_output`` in every release; the wrapper ends the ordered requests there, before
-vLLM's update, and appends their outputs to vLLM's (``schedule()`` is not running). The order
-was taken by the watchdog's look at the previous step (:mod:`~vllm_mamba_fix.rules.stall_watch`)
-for a stall named ``end_stalls_after`` seconds and two 0s before, proven by its own inputs or
-as the one victim of a cross hold (docs/reliability.md, "Ending stalls"); a class the path
-cannot reach is named by :func:`vllm_mamba_fix.rules.end_order.support`.
+Every release 0.15.1-0.33.0 ends a request that fails a KV load inside ``update_from_output``
+with ``finish_requests(ids, FINISHED_ERROR)`` (freeing its blocks and encoder inputs) and one
+``EngineCoreOutput`` in ``outputs[request.client_index]``; the request is read before, as the
+return differs by release. ``FinishReason.ERROR`` reaches the client as HTTP 500 with the cause
+lost, so 0.15-0.32 end with ABORT and the message as ``stop_reason``; 0.33 carries it in
+``EngineCoreOutput.error`` (``FINISHED_ERROR``). The safe point: ``EngineCore`` processes
+client aborts right before ``update_from_output``; the wrapper ends the ordered requests there
+and appends their outputs to vLLM's. The order comes from the watchdog's look at an earlier
+step (docs/reliability.md, "Ending stalls").
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""The watchdog's look, once per step from the ``update_from_output`` wrapper
-(:mod:`vllm_mamba_fix.rules.stall_end`), which hands it the rule's module (:class:`Watching`):
-part of the stall-watchdog rule (:mod:`vllm_mamba_fix.rules.stall_watch`). Nothing of it runs
-in the split or the encoder check. Per step: one clock read and a compare. Once
+"""The stall watchdog's look, once per step from the ``update_from_output`` wrapper; nothing
+of it runs in the split or the encoder check. Per step: one clock read and a compare. Once
 :data:`SAMPLE_SECONDS` passed, one :func:`sample`: streaks whose request moved end; then, if the
-step left the smallest chunk of its budget unused (else a 0 is a wait for budget, and nothing
-is counted or reset), each request that stopped (:func:`candidates`) counts the steps since in
-its streak, kept per scheduler weakly; a streak long enough is named, a named one considered
-for its end. Reads the scheduler, imports no vLLM.
+step left the smallest chunk of its budget unused (else a 0 is a wait for budget), each request
+that stopped counts the steps since; a streak long enough is named, a named one considered for
+its end (:mod:`vllm_mamba_fix.rules.stall_watch`). Imports no vLLM.
 """
 
 from __future__ import annotations
