@@ -62,9 +62,11 @@ assert "vllm_mamba_fix.install.patch" not in sys.modules
 vllm_mamba_fix.register()
 loaded = sorted(m for m in sys.modules if m.startswith("vllm_mamba_fix"))
 import vllm.v1.core.sched.scheduler as module
+patched = sorted(m for m in sys.modules if m.startswith("vllm_mamba_fix"))
 from tools.sched_harness import split_is_wrapped
 record = vllm_mamba_fix.records()[0]
-print(json.dumps({**counts, "loaded": loaded, "pluggy": "pluggy" in sys.modules,
+print(json.dumps({**counts, "loaded": loaded, "patched_loaded": patched,
+                  "pluggy": "pluggy" in sys.modules,
                   "patched": split_is_wrapped(),
                   "problem": record.evidence.problem,
                   "split_after_encoder": record.evidence.split_after_encoder}))
@@ -92,6 +94,8 @@ def test_register_reads_the_scheduler_once_and_leaves_pluggy_alone(case: str) ->
     # schedule()'s calls are read from the lines its code runs, not parsed (issue 45 item 4):
     # only _free_encoder_inputs (under 40 lines) is.
     assert 0 < found["parsed_lines"] < 60, found  # type: ignore[operator]
+    # Patched, no scheduler built: nothing logs an active line yet.
+    assert ACTIVE_LINE not in found["patched_loaded"], found["patched_loaded"]  # type: ignore[operator]
     if case == "hook":  # no scheduler yet: the rules, patcher and record wait for it
         assert not _deferred_loaded(found["loaded"]), found["loaded"]  # type: ignore[arg-type]
         # Not one rule module: the stream-end patch imports its two when a serving module is.
@@ -114,6 +118,7 @@ DEFERRED = (
 # Loaded by importing the entry point (the package's front door), out of the 46 that 0.5.0's
 # front door loaded; a new module on the path must earn its place here.
 MAX_LOADED_BY_ENTRY_POINT = 24
+ACTIVE_LINE = "vllm_mamba_fix.install.active_line"  # imported where a line is logged
 STREAM_END = "vllm_mamba_fix.install.stream_end"  # attached by register(), not by the import
 
 

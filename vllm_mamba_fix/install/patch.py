@@ -8,6 +8,8 @@ builds a scheduler, :func:`check_class` settles its class one rule-carrying meth
 it (:func:`describe_method`) and logs its active line once. Every change goes through
 ``changes.installation`` (tagged :data:`TAG`), so :func:`undo` restores exactly what was there;
 nothing is set on a scheduler instance. Everything here runs under :data:`import_hook.lock`.
+The active line's module is imported where a line is logged (a built scheduler), not with
+the patch: the patch runs in every process that imports the scheduler module.
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix._version import __version__
@@ -39,7 +40,6 @@ from vllm_mamba_fix.facts.targets import (
     shape_problem,
 )
 from vllm_mamba_fix.facts.versions import Family
-from vllm_mamba_fix.install.active_line import log_record
 from vllm_mamba_fix.install.import_hook import lock as _lock
 from vllm_mamba_fix.observe import counters, metrics, record, series
 from vllm_mamba_fix.observe.record import ClassRecord, MethodRecord, MethodState, class_name
@@ -57,31 +57,30 @@ TAG = __name__  # this module's changes in the record
 _SETUP = fields("setup")  # the log fields of a line with no facts but its event
 
 
-@dataclass(frozen=True)
-class _Installed:
+# A NamedTuple and a plain class, not dataclasses: built at every patch (start-up), where a
+# dataclass costs ten times as much.
+class _Installed(NamedTuple):
     base: type
     settings: Settings
     family: Family
     version: str
     scope: ScopePolicy
-    # Base methods whose shape kept them stock, already said at install time.
-    unpatchable_on_base: frozenset[str] = frozenset()
     # Each class's plan, read once per installation: reading vLLM's code is most of the
     # patch's cost, and settling the base reads the base again.
-    plans: dict[tuple[Any, ...], tuple[Plan, dict[str, Any], Evidence]] = field(
-        default_factory=dict, compare=False
-    )
+    plans: dict[tuple[Any, ...], tuple[Plan, dict[str, Any], Evidence]]
+    # Base methods whose shape kept them stock, already said at install time.
+    unpatchable_on_base: frozenset[str] = frozenset()
 
 
-@dataclass
 class Setup:
     """The session's memory of the installation."""
 
-    installed: _Installed | None = None
-    # The scheduler classes settled, by record name: a later install on a base may change
-    # what they resolve to.
-    settled: dict[str, type] = field(default_factory=dict)
-    lines_logged: set[str] = field(default_factory=set)  # classes whose active line was logged
+    def __init__(self) -> None:
+        self.installed: _Installed | None = None
+        # The scheduler classes settled, by record name: a later install on a base may change
+        # what they resolve to.
+        self.settled: dict[str, type] = {}
+        self.lines_logged: set[str] = set()  # classes whose active line was logged
 
 
 def is_wrapped(cls: type, name: str = SPLIT_METHOD) -> bool:
@@ -232,10 +231,10 @@ def install(module: ModuleType, settings: Settings, family: Family, version: str
             return
         scope = ScopePolicy(settings.scope)
         scope.load()  # here, not in the first scheduling step that needs it
-        installed = _Installed(base, settings, family, version, scope)
+        installed = _Installed(base, settings, family, version, scope, {})
         decided, options, _ = _plan_for(base, installed)
         wrapped, problems = install_on_base(base, options)
-        installed = dataclasses.replace(installed, unpatchable_on_base=frozenset(problems))
+        installed = installed._replace(unpatchable_on_base=frozenset(problems))
         for name, problem in problems.items():
             if rules.NEEDS.get(name) in problems:
                 continue  # the line of the method it acts through names its rules
@@ -258,6 +257,8 @@ def install(module: ModuleType, settings: Settings, family: Family, version: str
             extra=fields("setup", version=__version__, wraps=list(wrapped)),
         )
         if INIT_METHOD not in wrapped:
+            from vllm_mamba_fix.install.active_line import log_record
+
             log_record(record.recorded(class_name(base)), installed)  # type: ignore[arg-type]
 
 
@@ -318,6 +319,8 @@ def check_class(
             found = dataclasses.replace(found, block=unit, split_idle=split_idle)
         record.remember(found)
         if log and name not in setup.lines_logged:
+            from vllm_mamba_fix.install.active_line import log_record
+
             setup.lines_logged.add(name)
             log_record(found, installed)
         return found
