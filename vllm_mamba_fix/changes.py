@@ -101,8 +101,7 @@ class Changes:
         return change
 
     def set_attr(self, target: Any, name: str, value: Any, tag: str) -> Change:
-        """``setattr`` on a class or module; undo restores its own namespace's while it holds
-        ``value``."""
+        """``setattr`` on a class or module; undone while its own namespace holds ``value``."""
         previous = vars(target).get(name, _MISSING)
 
         def revert() -> None:
@@ -137,7 +136,6 @@ class Changes:
             return self.record(tag, f"${name}", revert, os.environ, name, value)
 
     def insert_first(self, items: list[Any], item: Any, tag: str, what: str, name: str) -> Change:
-
         def revert() -> None:
             if item in items:
                 items.remove(item)

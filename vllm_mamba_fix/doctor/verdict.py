@@ -160,7 +160,6 @@ def _needed_reason(needed: frozenset[Rule], found: Found, setup: Setup) -> str:
 def _unneeded(found: Found, setup: Setup) -> tuple[str, str]:
     """The verdict and reason where no rule is needed on an affected-family release."""
     by_code, version = found.release or setup.by_version, setup.version
-    # The speculative-stall rule let off by a --speculative-config that is not EAGLE-type.
     spared = []
     if setup.not_eagle and by_code.verdict(Rule.SPECULATIVE_STALL).active:
         spared = [f"speculative-stall [--speculative-config: {setup.not_eagle} is not EAGLE-type]"]

@@ -37,11 +37,9 @@ def report_to(sink: Sink | None) -> None:
         metrics = sink
 
 
-# Requests whose first correction was logged at info; bounded so a long-running
-# engine does not grow it forever (an evicted id only logs at info again).
+# Requests whose first correction was logged at info; bounded so a long-running engine does
+# not grow it forever (an evicted id only logs at info again).
 _MAX_REMEMBERED_REQUESTS = 4096
-
-# The stats() key of each correction.
 ACTION_KEYS: dict[Action, str] = {
     Action.COLLAPSE_PREVENTED: "collapses_prevented",
     Action.REALIGNED: "chunks_realigned",
@@ -69,13 +67,11 @@ SEND_SECONDS = 1.0
 
 @dataclass
 class Tally:
-    """The session's memory of counting. A forked child keeps its parent's and starts its
-    own timer and finalizers (the pids)."""
+    """A forked child keeps its parent's and starts its own timer and finalizers (the pids)."""
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEYS, 0))
     logged_requests: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    # Named stalls standing now: request id -> wall-clock start (its first 0), until it moves,
-    # is ended or freed.
+    # request id -> wall-clock start (its first 0) of a named stall, until it moves/ends/is freed
     standing: dict[str, float] = field(default_factory=dict)
     unsent: dict[str, int] = field(default_factory=dict)  # counted, not yet sent to metrics
     sender_pid: int | None = None  # the process whose timer will send them (None: none pending)
@@ -149,8 +145,7 @@ def _send_at_exit(tally: Tally) -> None:
     _at_exit(send_counts, 20, "the send of the counts left at exit")
 
 
-def _at_exit(call: Callable[[], None], priority: int, what: str) -> None:
-    """Run ``call`` at this process's exit (an engine core's too), until unregister()."""
+def _at_exit(call: Callable[[], None], priority: int, what: str) -> None:  # until unregister()
     from multiprocessing import util
 
     finalizer = util.Finalize(None, call, exitpriority=priority)
@@ -257,7 +252,6 @@ def record_block_unit(mamba: int | None, split: int | None) -> None:
 
 
 def log_summary() -> None:
-    """Logged at process shutdown when anything was counted."""
     counts = stats()
     if any(counts.values()):
         logger.info(

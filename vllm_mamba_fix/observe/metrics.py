@@ -143,7 +143,7 @@ def count(key: str, amount: int = 1) -> None:
 
 
 def _set(series: Series, value: float, extra: Mapping[str, str] | None = None) -> None:
-    """A gauge, only in the engine core :func:`prepare_engine` labelled. Never raises."""
+    """Only in the engine core :func:`prepare_engine` labelled. Never raises."""
     try:
         mem = installation.memory[Exported]
         if mem.identity_pid == os.getpid():
@@ -154,9 +154,8 @@ def _set(series: Series, value: float, extra: Mapping[str, str] | None = None) -
 
 
 def stalls(standing: int, oldest_start: float) -> None:
-    """The live stall gauges: named stalls standing, the oldest one's start. A start, not an
-    age: a file cannot compute at scrape time; ``time() - x`` in PromQL is the age
-    (docs/deployment.md)."""
+    """The oldest stall's start, not its age: a file cannot compute at scrape time; ``time() -
+    x`` in PromQL is the age (docs/deployment.md)."""
     _set(STALLED, standing)
     _set(OLDEST_STALL, oldest_start if standing else 0.0)
 
@@ -196,8 +195,7 @@ def prepare_engine(
     info: Mapping[str, str] | None = None,
     standing: tuple[int, float] = (0, 0.0),
 ) -> None:
-    """This process is the engine core of ``labels``: every series at its value now. Never
-    raises."""
+    """This process is ``labels``'s engine core: every series at its value now. Never raises."""
     mem = installation.memory[Exported]
     mem.identity, mem.identity_pid = tuple(sorted(labels)), os.getpid()
     for key in SERIES:
@@ -227,8 +225,7 @@ def attach() -> None:
         with _lock:
             name = metrics_sweep.directory_name(secrets.token_hex(6))
             directory = _serve_here(found, os.path.join(tempfile.gettempdir(), name))
-            # Named to the engine cores this process starts (they inherit it).
-            installation.set_env(ENV_DIR, directory, TAG)
+            installation.set_env(ENV_DIR, directory, TAG)  # the engine cores inherit it
     except Exception as exc:
         _failed("metrics not attached", exc)
 
@@ -240,8 +237,7 @@ def _local_values() -> dict[tuple[Series, Labels], float]:
 
 
 def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str | None) -> Any:
-    """A collector in this process's REGISTRY (holds ``_lock``): the directory it reads for
-    ``attach``, or the in-memory sink."""
+    """A collector on REGISTRY (holds ``_lock``): the directory it reads, or the memory sink."""
     mem = installation.memory[Exported]
     if mem.collector is None:
         registry = found[0].REGISTRY
