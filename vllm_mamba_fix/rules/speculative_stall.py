@@ -11,8 +11,7 @@
 #           last supported 0.32 (its carrier stays the split rule's ear while that rule runs).
 """The speculative-stall rule, per 0 of the encoder-input check (carried by
 ``encoder_wrapper``): where ``stalled_inputs`` says the 0 is the stall, it frees the held
-inputs the request is past and asks again without the shift; a retry with tokens is the answer.
-"""
+inputs the request is past and asks again without the shift; a retry with tokens is the answer."""
 
 from __future__ import annotations
 
@@ -29,9 +28,7 @@ from vllm_mamba_fix.rules.encoder_facts import stalled_inputs as stalled_inputs
 EncoderResult = tuple[Any, ...]
 
 
-class EncoderCall(NamedTuple):
-    """One call of vLLM's encoder-input check."""
-
+class EncoderCall(NamedTuple):  # one call of vLLM's encoder-input check
     scheduler: Any
     request: Any
     computed: int  # num_computed_tokens

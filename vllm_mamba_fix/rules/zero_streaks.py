@@ -1,7 +1,6 @@
 """The stores of zero-token streaks (state, so not in ``decide/``): one per encoder-check
 wrapper and one per scheduler the watchdog samples. The session knows every store, so
-:func:`forget_request`, called when vLLM frees a request, leaves no streak behind.
-"""
+:func:`forget_request`, called when vLLM frees a request, leaves no streak behind."""
 
 from __future__ import annotations
 
