@@ -3,5 +3,4 @@
 layout says what each holds).
 
 May import: ``decide``, ``facts``, the session and the bottom modules. Never ``rules``,
-``install`` or ``doctor``: the rules tell, the observers never reach back.
-"""
+``install`` or ``doctor``: the rules tell, the observers never reach back."""

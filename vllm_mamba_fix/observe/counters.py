@@ -1,6 +1,5 @@
 """Per-process counters of corrections, and their log lines (request ids and token counts,
-never prompt content). What it remembers is the session's (:class:`Tally`).
-"""
+never prompt content). What it remembers is the session's (:class:`Tally`)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ carries no plugin figure between them, so the values travel as vLLM's own API se
 theirs: prometheus_client's multiprocess files, in ``PROMETHEUS_MULTIPROC_DIR`` where set
 (``--api-server-count`` > 1, or the user); else :func:`attach` (in the API server) adds a
 collector to ``REGISTRY`` and names a private directory to the engine cores (:data:`ENV_DIR`),
-removed at exit. prometheus_client is imported lazily: without it, one line says so.
-"""
+removed at exit. prometheus_client is imported lazily: without it, one line says so."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Where :mod:`vllm_mamba_fix.observe.metrics` keeps the values: an engine core's own files in
 prometheus_client's multiprocess format (:class:`Writer`; the gauge file removed at exit, as
 ``mark_process_dead`` does), the serving process's own (:class:`Local`), and the API server's
-reader of both (:class:`Collector`, ``MultiProcessCollector``'s semantics, dead gauges skipped).
-"""
+reader of both (:class:`Collector`, ``MultiProcessCollector``'s semantics, dead gauges skipped)."""
 
 from __future__ import annotations
 

