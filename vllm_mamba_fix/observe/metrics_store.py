@@ -66,8 +66,7 @@ class Writer:
             # PROMETHEUS_MULTIPROC_DIR nobody wiped) keeps counting up, as prometheus_client does.
             stored = file.read_value(key)
             value += stored[0] if isinstance(stored, tuple) else stored
-        # "mostrecent" keeps the gauge value with the latest timestamp.
-        stamp = time.time() if series.kind == "gauge" else 0.0
+        stamp = time.time() if series.kind == "gauge" else 0.0  # "mostrecent": the latest wins
         try:
             file.write_value(key, value, stamp)
         except TypeError:  # prometheus_client before timestamps: (key, value)

@@ -22,8 +22,7 @@ class MethodState(enum.Enum):
     # Another plugin assigned its own method over our wrapper; we wrapped theirs.
     WRAPPED_REPLACEMENT = "wrapped-replacement"
     STOCK = "stock"  # no rule needs it for this class
-    # A subclass defines its own method: not wrapped, since the rule re-asks the
-    # stock method and cannot vouch for another's contract.
+    # A subclass's own method: not wrapped, as the rule re-asks stock and cannot vouch for it.
     OVERRIDDEN = "overridden"
     UNPATCHABLE = "unpatchable"  # its shape is not one the wrapper knows
 
@@ -39,8 +38,7 @@ class MethodRecord:
     owner: str  # the class whose namespace holds what the class resolves
     wraps: str | None = None  # module.qualname of what the plugin's wrapper calls
     note: str = ""  # why it was left stock, or who replaced it
-    # The rules the wrapper this class resolves to carries (its own or inherited).
-    rules: frozenset[Rule] = frozenset()
+    rules: frozenset[Rule] = frozenset()  # what the resolved wrapper carries (own or inherited)
 
     def describe(self) -> str:
         text = f"{self.name} {self.state.value} on {self.owner}"
