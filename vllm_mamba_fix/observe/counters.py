@@ -47,7 +47,6 @@ ACTION_KEYS: dict[Action, str] = {
     Action.BLOCK_ALIGNED: "block_rule_chunks",
     Action.ENCODER_REFERENCES_DROPPED: "encoder_references_dropped",
 }
-# The rule whose correction each action is (a log field).
 ACTION_RULES: dict[Action, str] = {
     **dict.fromkeys(ACTION_KEYS, Rule.SPLIT.value),
     Action.SPECULATIVE_STALL_RELEASED: Rule.SPECULATIVE_STALL.value,
@@ -152,8 +151,7 @@ def _at_exit(call: Callable[[], None], priority: int, what: str) -> None:  # unt
 
 
 def _timer_ends(tally: Tally) -> None:
-    """The timer's send: the next count starts another timer (one at a time, at most one a
-    second: starting a thread costs about 0.15 ms). Of its own session's tally."""
+    """The next count starts another timer (at most one a second: a thread costs ~0.15 ms)."""
     with _lock:
         tally.sender_pid = None
     _send(tally)

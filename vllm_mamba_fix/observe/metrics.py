@@ -153,8 +153,7 @@ def _set(series: Series, value: float, extra: Mapping[str, str] | None = None) -
 
 
 def stalls(standing: int, oldest_start: float) -> None:
-    """The oldest stall's start, not its age: a file cannot compute at scrape time; ``time() -
-    x`` in PromQL is the age (docs/deployment.md)."""
+    """A start, not an age: files cannot compute; ``time() - x`` is the age (docs/deployment.md)."""
     _set(STALLED, standing)
     _set(OLDEST_STALL, oldest_start if standing else 0.0)
 
@@ -205,8 +204,7 @@ def prepare_engine(
 
 
 def attach() -> None:
-    """In the API server (not a multiprocessing child), read the engine cores' counts through
-    :data:`ENV_DIR`, after sweeping gone servers' directories once. Never raises."""
+    """In the API server: the engine cores' counts via :data:`ENV_DIR`, swept once. Never raises."""
     try:
         if multiprocessing.parent_process() is not None:
             return

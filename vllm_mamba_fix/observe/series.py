@@ -85,7 +85,6 @@ GAUGES = (INFO, SPLIT_BLOCK, MAMBA_BLOCK, STALLED, OLDEST_STALL)
 # Every metric name the plugin exports, as Prometheus stores it (counters with "_total").
 METRIC_NAMES = frozenset(s.sample for s in (*SERIES.values(), *GAUGES))
 
-# vLLM's own label names, on every series of the plugin's engine cores.
 IDENTITY = ("model_name", "engine")
 
 
@@ -106,8 +105,7 @@ def with_labels(series: Series, extra: Labels) -> Labels:  # sorted: one key per
 
 
 def info_labels(found: Any, settings: Any, vllm_version: str) -> dict[str, str]:
-    """The info series' own labels: versions, the rules that run, the settings that shape them
-    (``found``: the class's record.ClassRecord, None if unrecorded)."""
+    """The info series' own labels (``found``: the class's ClassRecord, None if unrecorded)."""
 
     def seconds(value: float | None) -> str:
         return "off" if value is None else f"{value:g}"

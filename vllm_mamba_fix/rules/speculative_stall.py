@@ -43,8 +43,7 @@ def release(
     to_free: tuple[int, ...],
     block_size: int,
 ) -> EncoderResult | None:
-    """Free ``to_free`` and ask vLLM's ``check`` again without the shift; its answer if it
-    gives tokens (counted, with the scheduler's ``block_size`` for the log), else None."""
+    """Free ``to_free``, ask ``check`` again unshifted: its answer if it gives tokens, else None."""
     scheduler, request, computed = call.scheduler, call.request, call.computed
     # vLLM's own path, so the freed entry reaches the workers (0.32+: the EC connector too).
     free = getattr(scheduler, "_free_encoder_input", None)

@@ -131,8 +131,7 @@ class Heard(NamedTuple):
 
 
 def name_stall(scheduler: Any, request: Any, heard: Heard, speculative: bool | None) -> None:
-    """One WARNING; ``speculative`` as ``stall_look.speculative_zero`` says (None: a cut only
-    the split floors to 0)."""
+    """One WARNING; ``speculative`` as ``stall_look.speculative_zero`` says (None: split floor)."""
     store, streak, now, end_after, window_end = heard
     streak.warned, streak.named_at, streak.window_end = True, now, window_end
     _named_stalls(scheduler)  # forget the stalls that ended since
