@@ -252,7 +252,6 @@ def rule_problems(found: Found, dry_error: str | None) -> dict[Rule, str]:
 def switched_off(
     decided: Plan | None, needed: frozenset[Rule], settings: Settings
 ) -> dict[Rule, str]:
-    """Needed rules that the settings the plugin runs with switch off."""
     if decided is None:
         return {}
     off = [s for s in RULES if s.rule in needed and s.switch in settings.switched_off]

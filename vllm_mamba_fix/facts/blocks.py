@@ -95,7 +95,6 @@ class SplitState:  # what the split wrapper needs of one scheduler, settled at i
 
 
 def longest_chunk(scheduler: Any) -> int | None:
-    """The most tokens vLLM's split is asked for in one chunk; None if unreadable."""
     config = getattr(scheduler, "scheduler_config", None)
     budget = getattr(scheduler, "max_num_scheduled_tokens", None)
     if not isinstance(budget, int):

@@ -30,7 +30,6 @@ metrics: Sink | None = None
 
 
 def report_to(sink: Sink | None) -> None:
-    """Send every count to ``sink`` as well (plugin.py hands it metrics.py)."""
     global metrics
     with _lock:
         metrics = sink
@@ -128,8 +127,7 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
 
 
 def _send_soon(tally: Tally) -> None:
-    """Send what is counted from now on within :data:`SEND_SECONDS` (one timer thread at a
-    time per process; a finalizer sends the rest at exit). Holds ``_lock``."""
+    """Within :data:`SEND_SECONDS`: one timer per process, a finalizer at exit. Holds ``_lock``."""
     tally.sender_pid = os.getpid()
     timer = threading.Timer(SEND_SECONDS, _timer_ends, (tally,))
     timer.daemon = True
@@ -255,14 +253,7 @@ def log_summary() -> None:
             "vllm-mamba-fix: this process prevented %d collapses, re-aligned %d chunks, "
             "stopped %d chunks at an encoder input, released %d speculative stalls, aligned %d "
             "chunks to the cache's block, named %d stalls (%d moved again) and ended %d",
-            counts["collapses_prevented"],
-            counts["chunks_realigned"],
-            counts["chunks_stopped_at_encoder_input"],
-            counts["speculative_stalls_released"],
-            counts["block_rule_chunks"],
-            counts["stalls_detected"],
-            counts["stalls_resolved"],
-            counts["stalls_ended"],
+            *(counts[key] for key in KEYS if key != "encoder_references_dropped"),  # KEYS' order
             extra=fields("summary", counts=counts),
         )
 

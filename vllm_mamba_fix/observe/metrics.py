@@ -44,7 +44,6 @@ from vllm_mamba_fix.observe.series import (
 
 __all__ = ["FILE_PREFIX", "SERIES", "Series"]
 
-# The environment is read in config.py; the variable handed down is set through the record.
 directories = config.metrics_directories
 PROMETHEUS_DIR = config.PROMETHEUS_DIR  # vLLM's and prometheus_client's directory
 ENV_DIR = config.METRICS_DIR_VAR  # the private one an API server hands down
@@ -66,10 +65,8 @@ class Exported:
     local: Local | None = None  # set in the process whose REGISTRY serves the values
     off_pid: int | None = None  # the process where opening the writer failed
     swept_pid: int | None = None  # the process that swept old directories (once per process)
-    # vLLM's model_name and engine labels, learnt by prepare(scheduler) in an engine core;
-    # gauges are written only where it ran (never in doctor or the API server).
-    identity: Labels = ()
-    identity_pid: int | None = None
+    identity: Labels = ()  # vLLM's model_name and engine labels, learnt by prepare(scheduler)
+    identity_pid: int | None = None  # gauges are written only here (never doctor, API server)
     collector: Collector | None = None  # the one this process registered
 
 

@@ -21,8 +21,7 @@ from typing import Any, NamedTuple
 from vllm_mamba_fix.decide.decision import Action
 from vllm_mamba_fix.observe import counters
 
-# Whether a 0 is the speculative stall: read from the scheduler in encoder_facts.py, which the
-# watchdog asks too when it names a stall's cause.
+# Whether a 0 is the speculative stall: encoder_facts.py's, which the watchdog asks too.
 from vllm_mamba_fix.rules.encoder_facts import stalled_inputs as stalled_inputs
 
 EncoderResult = tuple[Any, ...]

@@ -83,7 +83,6 @@ def _named_stalls(scheduler: Any) -> dict[str, Stalled]:
 
 
 def _split_rule(scheduler: Any) -> Any:
-    """The options of the split wrapper on ``scheduler``'s class where its split rule runs."""
     options = getattr(getattr(type(scheduler), SPLIT_METHOD, None), MARKER, None)
     return options if getattr(options, "deadlock_rules", False) else None
 

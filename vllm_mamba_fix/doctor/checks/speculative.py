@@ -44,7 +44,6 @@ class SpeculativeMethods:  # the installed release's, as ``SpeculativeConfig`` s
     source: str
 
 
-# vLLM 0.27.1's lists, used where the installed release's own cannot be read.
 FALLBACK_METHODS = SpeculativeMethods(
     ("eagle", "eagle3", "mtp", "dflash", "dspark"),
     ("deepseek_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp",
