@@ -63,8 +63,6 @@ class Memory(dict[type, Any]):
 
 
 class Changes:
-    """The plugin's session: its changes to this process, their undo, and its memory."""
-
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._changes: list[Change] = []

@@ -87,9 +87,8 @@ def _import_prometheus() -> tuple[ModuleType, ModuleType, ModuleType] | Exceptio
 
 
 def _sink_here() -> Writer | Local | None:
-    """Where this process counts, chosen on first use (a forked child chooses again); holds
-    ``_lock``: ``PROMETHEUS_MULTIPROC_DIR``, else its own served counts, else the directory an
-    API server handed down, else it serves its own (an engine no API server started)."""
+    """Chosen on first use (a forked child chooses again; holds ``_lock``): the shared directory,
+    else its own served counts, the API server's directory, or its own (no API server)."""
     mem = installation.memory[Exported]
     pid = os.getpid()
     if mem.writer is not None and mem.writer.pid == pid:
@@ -166,9 +165,8 @@ def prepare(
     info: Mapping[str, str] | None = None,
     standing: tuple[int, float] = (0, 0.0),
 ) -> None:
-    """Create every series, so ``increase()`` and ``absent()`` see them before the first count:
-    labelled from ``scheduler``'s ``vllm_config``, none for a scheduler without Mamba groups (no
-    split: no directory), unlabelled without a scheduler. Never raises."""
+    """Every series before its first count, for ``increase()`` and ``absent()``: labelled from
+    the scheduler's config, none without Mamba groups (no split: no directory). Never raises."""
     try:
         if scheduler is not None:
             unit = blocks.unit_of_scheduler(scheduler)

@@ -54,7 +54,6 @@ SERIES: dict[str, Series] = {
     ),
 }
 
-# Gauges, one value per engine core.
 INFO = Series(
     "vllm_mamba_fix_info",
     "vllm-mamba-fix in this engine core: versions, the rules that run, settings (always 1)",
@@ -82,7 +81,6 @@ OLDEST_STALL = Series(
 )
 GAUGES = (INFO, SPLIT_BLOCK, MAMBA_BLOCK, STALLED, OLDEST_STALL)
 
-# Every metric name the plugin exports, as Prometheus stores it (counters with "_total").
 METRIC_NAMES = frozenset(s.sample for s in (*SERIES.values(), *GAUGES))
 
 IDENTITY = ("model_name", "engine")

@@ -190,7 +190,6 @@ def check_speculative(
     decided: Plan | None,
     installed: frozenset[Rule],
 ) -> SpeculativeCheck:
-    """The speculative set-up, as far as it can be seen before the engine starts."""
     methods = release_speculative_methods()
     does, does_text = _what_the_plugin_does(decided, family, installed)
     data: dict[str, Any] = {
