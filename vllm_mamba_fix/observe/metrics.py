@@ -165,8 +165,8 @@ def prepare(
     info: Mapping[str, str] | None = None,
     standing: tuple[int, float] = (0, 0.0),
 ) -> None:
-    """Every series before its first count, for ``increase()`` and ``absent()``: labelled from
-    the scheduler's config, none without Mamba groups (no split: no directory). Never raises."""
+    """Every series before its first count (for ``increase()``, ``absent()``), labelled from the
+    scheduler's config (unlabelled without one); none without Mamba groups. Never raises."""
     try:
         if scheduler is not None:
             unit = blocks.unit_of_scheduler(scheduler)
