@@ -268,7 +268,6 @@ def rule_warnings(entries: list[dict[str, Any]]) -> list[str]:
     for e in entries:
         if e["problem"] and not e["needed"] and e["active"]:
             found.append(e["problem"])
-        # block-unit off where the release has the split (and no built scheduler needs it).
         block = e["rule"] == Rule.BLOCK_UNIT.value and e["version"]["active"]
         if block and not e["active"] and not e["needed"]:
             found.append(

@@ -86,8 +86,7 @@ class SplitState:  # what the split wrapper needs of one scheduler, settled at i
     # The floored-to block exceeds the longest chunk the split is asked: without the 0.27
     # sub-block exemption every chunk but a prompt's last floors to 0, which never clears.
     beyond_chunk: bool = False
-    # Only the cache's block exceeds that chunk: vLLM's configured answer, stopped at the
-    # next cache boundary, is the chunk.
+    # Only the cache's block exceeds it: the chunk is vLLM's configured answer cut at its boundary.
     starved: bool = False
     quiet: bool = False  # no call can need a look: return vLLM's answer
     whole_chunks_cross: bool = True  # see decide.decision.whole_chunks_may_cross

@@ -38,8 +38,7 @@ class Family(NamedTuple):
     # stale block; the plugin re-aligns there).
     stops_mid_block: bool = True
     absolute_end: bool = True  # the split floors the chunk's end, not its length (0.26+)
-    # The split advances sub-block through a block wider than its longest chunk (0.27+'s
-    # guard); before, it floors to 0 there.
+    # Advances sub-block through a block wider than its longest chunk (0.27+'s guard; before: 0)
     advances_sub_block: bool = True
 
 

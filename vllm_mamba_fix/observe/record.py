@@ -53,8 +53,7 @@ class ClassRecord:
     evidence: Evidence
     methods: tuple[MethodRecord, ...]
     block: BlockUnit | None = None  # of the scheduler built last; None in a dry run
-    # Why vLLM never calls the split for the scheduler built last (no Mamba KV cache
-    # group, no align mode); None: it does, or no scheduler was built.
+    # Why vLLM never calls the last built scheduler's split (no Mamba group, no align mode), or None
     split_idle: str | None = None
 
     def method(self, name: str) -> MethodRecord | None:
@@ -117,8 +116,7 @@ def recorded(name: str) -> ClassRecord | None:
         return installation.memory[Records].get(name)
 
 
-def note_block_unit(cls: type, unit: BlockUnit) -> None:
-    """The block sizes a scheduler of ``cls`` settled at its first split."""
+def note_block_unit(cls: type, unit: BlockUnit) -> None:  # settled at a scheduler's first split
     with _lock:
         known = installation.memory[Records]
         found = known.get(class_name(cls))

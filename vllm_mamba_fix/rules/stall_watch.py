@@ -50,9 +50,8 @@ from vllm_mamba_fix.rules.encoder_facts import (
 from vllm_mamba_fix.rules.end_order import EndOrder, order_end, ordered, support_of
 from vllm_mamba_fix.rules.zero_streaks import ZeroStreaks
 
-RECHECK_SECONDS = 1.0
-# The watchdog's time, read once per step by its look; tests put a clock they advance here.
-clock: Callable[[], float] = time.monotonic
+RECHECK_SECONDS = 1.0  # an unproven stall is looked at again once a second, not on every step
+clock: Callable[[], float] = time.monotonic  # read once per step by its look; tests put theirs
 
 
 class Named(weakref.WeakKeyDictionary[Any, dict[str, tuple[ZeroStreaks, Streak]]]):
@@ -185,7 +184,6 @@ def consider(scheduler: Any, request: Any, heard: Heard) -> None:
         return
     streak.steps_named += 1
     streak.window_end = window_end
-    # An unproven stall is looked at again once a second, not on every step.
     if not end_due(streak, now, end_after) or now < streak.unproven_until:
         return
     proof = own_inputs_proof(scheduler, request, streak.position, window_end)

@@ -59,7 +59,6 @@ def forget_request(request_id: str) -> None:
             store.clear(request_id)
 
 
-def tracked_requests() -> set[str]:
-    """Requests with a streak in any store (for tests and doctor)."""
+def tracked_requests() -> set[str]:  # for tests and doctor
     stores = list(installation.memory[Stores])
     return {rid for store in stores for rid in list(store.by_request)}

@@ -26,8 +26,7 @@ OWN_KV_GROUP_TEXT = (
     "the engine core's cache_config.block_size (the smallest group block) will be below the "
     "Mamba block"
 )
-# What vLLM's SpeculativeConfig infers from the draft model's name when no
-# method is given, in its order (model-type checks need the model's config).
+# What SpeculativeConfig infers from the draft model's name when no method is given, in its order.
 _NAME_HINTS = (
     ("eagle-", "eagle"),
     ("eagle3", "eagle3"),
