@@ -63,8 +63,6 @@ class Memory(dict[type, Any]):
 
 
 class Changes:
-    """The plugin's session: its changes to this process, their undo, and its memory."""
-
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._changes: list[Change] = []
@@ -101,8 +99,7 @@ class Changes:
         return change
 
     def set_attr(self, target: Any, name: str, value: Any, tag: str) -> Change:
-        """``setattr`` on a class or module; undo restores its own namespace's while it holds
-        ``value``."""
+        """``setattr`` on a class or module; undone while its own namespace holds ``value``."""
         previous = vars(target).get(name, _MISSING)
 
         def revert() -> None:
@@ -137,7 +134,6 @@ class Changes:
             return self.record(tag, f"${name}", revert, os.environ, name, value)
 
     def insert_first(self, items: list[Any], item: Any, tag: str, what: str, name: str) -> Change:
-
         def revert() -> None:
             if item in items:
                 items.remove(item)

@@ -1,7 +1,6 @@
 """The correction rules as pure functions of plain integers (no vLLM: tested exhaustively):
 :func:`decide` for the split rule, :func:`speculative_stall_release` and the unshifted cut for
-the speculative-stall rule; why each exists is its module's header (rules/).
-"""
+the speculative-stall rule; why each exists is its module's header (rules/)."""
 
 from __future__ import annotations
 
@@ -13,13 +12,11 @@ from typing import NamedTuple
 class Action(enum.Enum):
     UNCHANGED = "unchanged"
     COLLAPSE_PREVENTED = "collapse-prevented"  # stock floored a sub-block chunk to 0
-    # A chunk from mid-block would have crossed the next boundary (a block with a stale state).
-    REALIGNED = "realigned"
+    REALIGNED = "realigned"  # a mid-block chunk would cross the next boundary (a stale state)
     STOPPED_AT_ENCODER_INPUT = "stopped-at-encoder-input"  # at the input, as 0.28+
     # Parked by EAGLE's shifted cut and deferred free, or a warm repeat; ended the 0.33 way.
     SPECULATIVE_STALL_RELEASED = "speculative-stall-released"
-    # The block-unit rule: ended elsewhere than cache_config.block_size would (vLLM #54076).
-    BLOCK_ALIGNED = "block-aligned"
+    BLOCK_ALIGNED = "block-aligned"  # block-unit: ends off cache_config's floor (vLLM #54076)
     # A waiting request's split answered 0: it let go of its encoder check's references.
     ENCODER_REFERENCES_DROPPED = "encoder-references-dropped"
 
@@ -75,8 +72,7 @@ def tail_frees_room(need: int, room: int, own_in_tail: int) -> bool:
 def can_need_correction(
     stock_tokens: int, num_new_tokens: int, start: int, block_size: int
 ) -> bool:
-    """False: :func:`decide` keeps the stock result (a full chunk inside its block or from a
-    boundary: the fast path)."""
+    """False: :func:`decide` keeps stock (a full chunk inside its block or from a boundary)."""
     if stock_tokens != num_new_tokens:
         return True
     offset = start % block_size
@@ -129,8 +125,7 @@ def in_prefill_by_position(start: int, num_prompt_tokens: int, num_tokens: int) 
 
 class StallRelease(NamedTuple):
     stalled: bool
-    # Held inputs the request has computed past: 0.33 would have freed them.
-    to_free: tuple[int, ...]
+    to_free: tuple[int, ...]  # held inputs the request computed past: 0.33 would have freed them
 
 
 def speculative_stall_release(

@@ -1,6 +1,5 @@
 """The rules' names, a verdict on one, and a plan of them: plain values, no imports of ours
-(the install record keeps plans without the deciding, :mod:`vllm_mamba_fix.decide.policy`).
-"""
+(the install record keeps plans without the deciding, :mod:`vllm_mamba_fix.decide.policy`)."""
 
 from __future__ import annotations
 
@@ -8,9 +7,7 @@ import enum
 from typing import NamedTuple
 
 
-class Rule(enum.Enum):
-    """What the plugin may install; rules/table.py says how."""
-
+class Rule(enum.Enum):  # what the plugin may install; rules/table.py says how
     SPLIT = "split"
     BLOCK_UNIT = "block-unit"
     SPECULATIVE_STALL = "speculative-stall"

@@ -2,8 +2,7 @@
 
 Pure: no vLLM, no logging (callers pick the log level). The rule table
 (:mod:`vllm_mamba_fix.rules.table`) names which function decides which rule and runs them in
-its order; why each rule exists and where it stops being needed is its module's header.
-"""
+its order; why each rule exists and where it stops being needed is its module's header."""
 
 from __future__ import annotations
 
@@ -93,7 +92,6 @@ def watchdog_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
     seconds = facts.settings.stall_seconds
     if seconds is None:
         return RuleVerdict(Rule.STALL_WATCHDOG, False, "setting", f"{ENV_STALL_SECONDS}=off")
-    # It watches where a fix rule runs (a release that needs one).
     active = any(earlier[rule].active for rule in (Rule.SPLIT, Rule.SPECULATIVE_STALL))
     why = f"after {seconds:g} s" if active else "no fix rule installed"
     return RuleVerdict(Rule.STALL_WATCHDOG, active, "setting", why)
@@ -108,9 +106,7 @@ def stall_end_verdict(facts: Facts, earlier: Earlier) -> RuleVerdict:
     return RuleVerdict(Rule.STALL_END, True, "setting", f"{after:g} s after a stall is named")
 
 
-class Preflight(enum.Enum):
-    """What ``register()`` learns before the scheduler exists."""
-
+class Preflight(enum.Enum):  # what ``register()`` learns before the scheduler exists
     DISABLED = "disabled"  # VLLM_MAMBA_FIX=off
     ABSENT = "absent"  # the release has no split method
     UNREADABLE_VERSION = "unreadable-version"  # and not forced: vLLM is left untouched

@@ -1,7 +1,6 @@
 """Zero-token streaks per request: when a 0 at the same position step after step is a stall,
 and what the watchdog says. Plain numbers only: the stores are ``rules/zero_streaks.py`` and
-the clock is the caller's.
-"""
+the clock is the caller's."""
 
 from __future__ import annotations
 

@@ -18,8 +18,7 @@ def _qualname(value: str) -> str:
 
 
 def build_parser(prog: str = "vllm-mamba-fix") -> argparse.ArgumentParser:
-    # The package's docstring is the command's description; the package is always imported
-    # before this submodule, so it is read from sys.modules rather than imported back.
+    # The package's docstring is the description; always imported before us: read, not imported
     doctor = sys.modules[__package__ or "vllm_mamba_fix.doctor"]
     parser = argparse.ArgumentParser(
         prog=prog, description="Tools for the vllm-mamba-fix vLLM plugin."

@@ -1,6 +1,5 @@
 """``main()``, the command, and ``run()``: the checks in order, then the verdict from the install
-records the dry run made. The one doctor module that imports :mod:`vllm_mamba_fix.install.plugin`
-(it hands it to the dry run and the entry-point check)."""
+records the dry run made; it hands ``install.plugin`` to the dry run and the entry-point check."""
 
 from __future__ import annotations
 

@@ -75,9 +75,7 @@ def stdout_to_stderr() -> Iterator[None]:
             os.close(saved)
 
 
-class LogCapture(logging.handlers.BufferingHandler):
-    """The plugin's log records during the dry run, to show them (never to decide)."""
-
+class LogCapture(logging.handlers.BufferingHandler):  # the dry run's records: shown, never decide
     def messages(self) -> list[str]:
         return [r.getMessage().removeprefix("vllm-mamba-fix: ") for r in self.buffer]
 

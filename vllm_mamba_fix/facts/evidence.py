@@ -1,7 +1,6 @@
 """What the installed scheduler's code shows, read once when it is patched: a version number
 can mislead (a 0.28 dev build before #51603 still hangs; a vendor 0.27.x with it backported
-does not), so the code decides. :func:`read_evidence` alone touches a class, and never raises.
-"""
+does not), so the code decides. :func:`read_evidence` alone touches a class, and never raises."""
 
 from __future__ import annotations
 
@@ -18,9 +17,7 @@ from vllm_mamba_fix.facts.targets import ENCODER_METHOD, FREE_METHOD, SPLIT_METH
 
 
 @dataclass(frozen=True)
-class Evidence:
-    """None: the code could not tell (unreadable source, or a shape not seen before)."""
-
+class Evidence:  # None: the code could not tell (unreadable source, or a shape not seen before)
     split_after_encoder: bool | None = None
     deferred_encoder_free: bool | None = None
     problem: str | None = None  # why something could not be read

@@ -15,15 +15,11 @@ SCHEDULER_CLASS = "Scheduler"
 SPLIT_METHOD = "_mamba_block_aligned_split"
 ENCODER_METHOD = "_try_schedule_encoder_inputs"
 FREE_METHOD = "_free_encoder_inputs"
-# Wrapped so each built scheduler is checked once (its class, its cache's block size).
-INIT_METHOD = "__init__"
-# Wrapped so per-request state ends with the request (finished or aborted).
-FREE_REQUEST_METHOD = "_free_request"
-# Wrapped so an ordered stall end runs where vLLM ends client aborts.
-UPDATE_METHOD = "update_from_output"
+INIT_METHOD = "__init__"  # wrapped: each built scheduler is checked once (class, block size)
+FREE_REQUEST_METHOD = "_free_request"  # wrapped: per-request state ends with the request
+UPDATE_METHOD = "update_from_output"  # wrapped: an ordered stall end runs where aborts do
 
 SPLIT_LEADING_PARAMETERS = ("self", "request", "num_new_tokens")
-# The extra computed-token arguments the waiting loop passes, in order.
 EXTRA_COMPUTED_PARAMETERS = ("num_new_local_computed_tokens", "num_external_computed_tokens")
 # Trailing parameters of every release's split (0.24-0.25 add the third).
 KNOWN_SPLIT_TRAILING_PARAMETERS = (*EXTRA_COMPUTED_PARAMETERS, "num_uncached_common_prefix_tokens")
@@ -32,7 +28,6 @@ ENCODER_PARAMETERS = (
     "self", "request", "num_computed_tokens", "num_new_tokens", "encoder_compute_budget",
     "shift_computed_tokens",
 )  # fmt: skip
-# What the other wrapped methods' parameters start with.
 LEADING_PARAMETERS = {
     SPLIT_METHOD: SPLIT_LEADING_PARAMETERS,
     FREE_REQUEST_METHOD: ("self", "request"),

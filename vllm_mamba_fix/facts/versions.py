@@ -1,7 +1,6 @@
 """Release data: how each vLLM family behaves, read from every release's scheduler
 (0.15.0-0.33.0). Only what the plugin reads; what stock does that only the tests expect (the
-cut shift, where the image deadlock is) is ``tools/release_facts.py``. No vLLM import.
-"""
+cut shift, where the image deadlock is) is ``tools/release_facts.py``. No vLLM import."""
 
 from __future__ import annotations
 
@@ -11,9 +10,7 @@ from typing import NamedTuple
 from packaging.version import InvalidVersion, Version
 
 
-class PrefillGate(enum.Enum):
-    """How a release decides that a request is still in prefill."""
-
+class PrefillGate(enum.Enum):  # how a release decides that a request is still in prefill
     NO_OUTPUT_TOKENS = "num_output_tokens == 0"  # 0.15-0.16
     BEFORE_PREFILL_END = "start < max(num_prompt_tokens, num_tokens - 1)"  # 0.17+
 
@@ -32,8 +29,7 @@ class Family(NamedTuple):
     verdict: Verdict  # of the split rule
     summary: str
     prefill_gate: PrefillGate | None = PrefillGate.BEFORE_PREFILL_END
-    # Stock defers an encoder-cache free by the drafter's look-ahead (#46315).
-    deferred_encoder_free: bool = False
+    deferred_encoder_free: bool = False  # stock defers a free by the drafter's look-ahead (#46315)
     # The model runner falls back to token embeddings when the drafter reads an unencoded input
     # (0.24+); before, a miss asserts (the 0.33 cut would crash the engine).
     drafter_fallback: bool = True
@@ -42,8 +38,7 @@ class Family(NamedTuple):
     # stale block; the plugin re-aligns there).
     stops_mid_block: bool = True
     absolute_end: bool = True  # the split floors the chunk's end, not its length (0.26+)
-    # The split advances sub-block through a block wider than its longest chunk (0.27+'s
-    # guard); before, it floors to 0 there.
+    # Advances sub-block through a block wider than its longest chunk (0.27+'s guard; before: 0)
     advances_sub_block: bool = True
 
 

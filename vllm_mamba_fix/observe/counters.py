@@ -1,6 +1,5 @@
 """Per-process counters of corrections, and their log lines (request ids and token counts,
-never prompt content). What it remembers is the session's (:class:`Tally`).
-"""
+never prompt content). What it remembers is the session's (:class:`Tally`)."""
 
 from __future__ import annotations
 
@@ -31,17 +30,14 @@ metrics: Sink | None = None
 
 
 def report_to(sink: Sink | None) -> None:
-    """Send every count to ``sink`` as well (plugin.py hands it metrics.py)."""
     global metrics
     with _lock:
         metrics = sink
 
 
-# Requests whose first correction was logged at info; bounded so a long-running
-# engine does not grow it forever (an evicted id only logs at info again).
+# Requests whose first correction was logged at info; bounded so a long-running engine does
+# not grow it forever (an evicted id only logs at info again).
 _MAX_REMEMBERED_REQUESTS = 4096
-
-# The stats() key of each correction.
 ACTION_KEYS: dict[Action, str] = {
     Action.COLLAPSE_PREVENTED: "collapses_prevented",
     Action.REALIGNED: "chunks_realigned",
@@ -50,7 +46,6 @@ ACTION_KEYS: dict[Action, str] = {
     Action.BLOCK_ALIGNED: "block_rule_chunks",
     Action.ENCODER_REFERENCES_DROPPED: "encoder_references_dropped",
 }
-# The rule whose correction each action is (a log field).
 ACTION_RULES: dict[Action, str] = {
     **dict.fromkeys(ACTION_KEYS, Rule.SPLIT.value),
     Action.SPECULATIVE_STALL_RELEASED: Rule.SPECULATIVE_STALL.value,
@@ -69,13 +64,11 @@ SEND_SECONDS = 1.0
 
 @dataclass
 class Tally:
-    """The session's memory of counting. A forked child keeps its parent's and starts its
-    own timer and finalizers (the pids)."""
+    """A forked child keeps its parent's and starts its own timer and finalizers (the pids)."""
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEYS, 0))
     logged_requests: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    # Named stalls standing now: request id -> wall-clock start (its first 0), until it moves,
-    # is ended or freed.
+    # request id -> wall-clock start (its first 0) of a named stall, until it moves/ends/is freed
     standing: dict[str, float] = field(default_factory=dict)
     unsent: dict[str, int] = field(default_factory=dict)  # counted, not yet sent to metrics
     sender_pid: int | None = None  # the process whose timer will send them (None: none pending)
@@ -134,8 +127,7 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
 
 
 def _send_soon(tally: Tally) -> None:
-    """Send what is counted from now on within :data:`SEND_SECONDS` (one timer thread at a
-    time per process; a finalizer sends the rest at exit). Holds ``_lock``."""
+    """Within :data:`SEND_SECONDS`: one timer per process, a finalizer at exit. Holds ``_lock``."""
     tally.sender_pid = os.getpid()
     timer = threading.Timer(SEND_SECONDS, _timer_ends, (tally,))
     timer.daemon = True
@@ -149,8 +141,7 @@ def _send_at_exit(tally: Tally) -> None:
     _at_exit(send_counts, 20, "the send of the counts left at exit")
 
 
-def _at_exit(call: Callable[[], None], priority: int, what: str) -> None:
-    """Run ``call`` at this process's exit (an engine core's too), until unregister()."""
+def _at_exit(call: Callable[[], None], priority: int, what: str) -> None:  # until unregister()
     from multiprocessing import util
 
     finalizer = util.Finalize(None, call, exitpriority=priority)
@@ -158,8 +149,7 @@ def _at_exit(call: Callable[[], None], priority: int, what: str) -> None:
 
 
 def _timer_ends(tally: Tally) -> None:
-    """The timer's send: the next count starts another timer (one at a time, at most one a
-    second: starting a thread costs about 0.15 ms). Of its own session's tally."""
+    """The next count starts another timer (at most one a second: a thread costs ~0.15 ms)."""
     with _lock:
         tally.sender_pid = None
     _send(tally)
@@ -257,21 +247,13 @@ def record_block_unit(mamba: int | None, split: int | None) -> None:
 
 
 def log_summary() -> None:
-    """Logged at process shutdown when anything was counted."""
     counts = stats()
     if any(counts.values()):
         logger.info(
             "vllm-mamba-fix: this process prevented %d collapses, re-aligned %d chunks, "
             "stopped %d chunks at an encoder input, released %d speculative stalls, aligned %d "
             "chunks to the cache's block, named %d stalls (%d moved again) and ended %d",
-            counts["collapses_prevented"],
-            counts["chunks_realigned"],
-            counts["chunks_stopped_at_encoder_input"],
-            counts["speculative_stalls_released"],
-            counts["block_rule_chunks"],
-            counts["stalls_detected"],
-            counts["stalls_resolved"],
-            counts["stalls_ended"],
+            *(counts[key] for key in KEYS if key != "encoder_references_dropped"),  # KEYS' order
             extra=fields("summary", counts=counts),
         )
 

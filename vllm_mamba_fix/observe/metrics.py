@@ -5,8 +5,7 @@ carries no plugin figure between them, so the values travel as vLLM's own API se
 theirs: prometheus_client's multiprocess files, in ``PROMETHEUS_MULTIPROC_DIR`` where set
 (``--api-server-count`` > 1, or the user); else :func:`attach` (in the API server) adds a
 collector to ``REGISTRY`` and names a private directory to the engine cores (:data:`ENV_DIR`),
-removed at exit. prometheus_client is imported lazily: without it, one line says so.
-"""
+removed at exit. prometheus_client is imported lazily: without it, one line says so."""
 
 from __future__ import annotations
 
@@ -45,7 +44,6 @@ from vllm_mamba_fix.observe.series import (
 
 __all__ = ["FILE_PREFIX", "SERIES", "Series"]
 
-# The environment is read in config.py; the variable handed down is set through the record.
 directories = config.metrics_directories
 PROMETHEUS_DIR = config.PROMETHEUS_DIR  # vLLM's and prometheus_client's directory
 ENV_DIR = config.METRICS_DIR_VAR  # the private one an API server hands down
@@ -67,10 +65,8 @@ class Exported:
     local: Local | None = None  # set in the process whose REGISTRY serves the values
     off_pid: int | None = None  # the process where opening the writer failed
     swept_pid: int | None = None  # the process that swept old directories (once per process)
-    # vLLM's model_name and engine labels, learnt by prepare(scheduler) in an engine core;
-    # gauges are written only where it ran (never in doctor or the API server).
-    identity: Labels = ()
-    identity_pid: int | None = None
+    identity: Labels = ()  # vLLM's model_name and engine labels, learnt by prepare(scheduler)
+    identity_pid: int | None = None  # gauges are written only here (never doctor, API server)
     collector: Collector | None = None  # the one this process registered
 
 
@@ -91,9 +87,8 @@ def _import_prometheus() -> tuple[ModuleType, ModuleType, ModuleType] | Exceptio
 
 
 def _sink_here() -> Writer | Local | None:
-    """Where this process counts, chosen on first use (a forked child chooses again); holds
-    ``_lock``: ``PROMETHEUS_MULTIPROC_DIR``, else its own served counts, else the directory an
-    API server handed down, else it serves its own (an engine no API server started)."""
+    """Chosen on first use (a forked child chooses again; holds ``_lock``): the shared directory,
+    else its own served counts, the API server's directory, or its own (no API server)."""
     mem = installation.memory[Exported]
     pid = os.getpid()
     if mem.writer is not None and mem.writer.pid == pid:
@@ -143,7 +138,7 @@ def count(key: str, amount: int = 1) -> None:
 
 
 def _set(series: Series, value: float, extra: Mapping[str, str] | None = None) -> None:
-    """A gauge, only in the engine core :func:`prepare_engine` labelled. Never raises."""
+    """Only in the engine core :func:`prepare_engine` labelled. Never raises."""
     try:
         mem = installation.memory[Exported]
         if mem.identity_pid == os.getpid():
@@ -154,9 +149,7 @@ def _set(series: Series, value: float, extra: Mapping[str, str] | None = None) -
 
 
 def stalls(standing: int, oldest_start: float) -> None:
-    """The live stall gauges: named stalls standing, the oldest one's start. A start, not an
-    age: a file cannot compute at scrape time; ``time() - x`` in PromQL is the age
-    (docs/deployment.md)."""
+    """A start, not an age: files cannot compute; ``time() - x`` is the age (docs/deployment.md)."""
     _set(STALLED, standing)
     _set(OLDEST_STALL, oldest_start if standing else 0.0)
 
@@ -172,9 +165,8 @@ def prepare(
     info: Mapping[str, str] | None = None,
     standing: tuple[int, float] = (0, 0.0),
 ) -> None:
-    """Create every series, so ``increase()`` and ``absent()`` see them before the first count:
-    labelled from ``scheduler``'s ``vllm_config``, none for a scheduler without Mamba groups (no
-    split: no directory), unlabelled without a scheduler. Never raises."""
+    """Every series before its first count (for ``increase()``, ``absent()``), labelled from the
+    scheduler's config (unlabelled without one); none without Mamba groups. Never raises."""
     try:
         if scheduler is not None:
             unit = blocks.unit_of_scheduler(scheduler)
@@ -196,8 +188,7 @@ def prepare_engine(
     info: Mapping[str, str] | None = None,
     standing: tuple[int, float] = (0, 0.0),
 ) -> None:
-    """This process is the engine core of ``labels``: every series at its value now. Never
-    raises."""
+    """This process is ``labels``'s engine core: every series at its value now. Never raises."""
     mem = installation.memory[Exported]
     mem.identity, mem.identity_pid = tuple(sorted(labels)), os.getpid()
     for key in SERIES:
@@ -208,8 +199,7 @@ def prepare_engine(
 
 
 def attach() -> None:
-    """In the API server (not a multiprocessing child), read the engine cores' counts through
-    :data:`ENV_DIR`, after sweeping gone servers' directories once. Never raises."""
+    """In the API server: the engine cores' counts via :data:`ENV_DIR`, swept once. Never raises."""
     try:
         if multiprocessing.parent_process() is not None:
             return
@@ -227,8 +217,7 @@ def attach() -> None:
         with _lock:
             name = metrics_sweep.directory_name(secrets.token_hex(6))
             directory = _serve_here(found, os.path.join(tempfile.gettempdir(), name))
-            # Named to the engine cores this process starts (they inherit it).
-            installation.set_env(ENV_DIR, directory, TAG)
+            installation.set_env(ENV_DIR, directory, TAG)  # the engine cores inherit it
     except Exception as exc:
         _failed("metrics not attached", exc)
 
@@ -240,8 +229,7 @@ def _local_values() -> dict[tuple[Series, Labels], float]:
 
 
 def _serve_here(found: tuple[ModuleType, ModuleType, ModuleType], directory: str | None) -> Any:
-    """A collector in this process's REGISTRY (holds ``_lock``): the directory it reads for
-    ``attach``, or the in-memory sink."""
+    """A collector on REGISTRY (holds ``_lock``): the directory it reads, or the memory sink."""
     mem = installation.memory[Exported]
     if mem.collector is None:
         registry = found[0].REGISTRY

@@ -1,8 +1,7 @@
 """Where :mod:`vllm_mamba_fix.observe.metrics` keeps the values: an engine core's own files in
 prometheus_client's multiprocess format (:class:`Writer`; the gauge file removed at exit, as
 ``mark_process_dead`` does), the serving process's own (:class:`Local`), and the API server's
-reader of both (:class:`Collector`, ``MultiProcessCollector``'s semantics, dead gauges skipped).
-"""
+reader of both (:class:`Collector`, ``MultiProcessCollector``'s semantics, dead gauges skipped)."""
 
 from __future__ import annotations
 
@@ -67,8 +66,7 @@ class Writer:
             # PROMETHEUS_MULTIPROC_DIR nobody wiped) keeps counting up, as prometheus_client does.
             stored = file.read_value(key)
             value += stored[0] if isinstance(stored, tuple) else stored
-        # "mostrecent" keeps the gauge value with the latest timestamp.
-        stamp = time.time() if series.kind == "gauge" else 0.0
+        stamp = time.time() if series.kind == "gauge" else 0.0  # "mostrecent": the latest wins
         try:
             file.write_value(key, value, stamp)
         except TypeError:  # prometheus_client before timestamps: (key, value)

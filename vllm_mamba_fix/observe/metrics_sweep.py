@@ -9,8 +9,7 @@ server removes its own at exit, which a SIGKILL skips). Only those:
 - holding only the plugin's counter files, each of a writer that no longer runs.
 
 A process that cannot read its own pid namespace and boot removes nothing, and says so.
-``PROMETHEUS_MULTIPROC_DIR`` is never looked into (its dead writers' files are in the totals).
-"""
+``PROMETHEUS_MULTIPROC_DIR`` is never looked into (its dead writers' files are in the totals)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ from vllm_mamba_fix._log import logger
 PREFIX = "vllm-mamba-fix-metrics-"
 # <pid>-<start ticks>-<pid namespace>-<boot>-<token>, 0 where unknown: at most 105 characters.
 _NAME = re.compile(PREFIX + r"(\d{1,10})-(\d{1,20})-(\d{1,20})-([0-9a-f]{16}|0)-[0-9a-f]{12}")
-# An engine core's counter file, and its gauge file (metrics_store.py).
 _WRITER_FILE = re.compile(r"(?:counter|gauge_mostrecent)_vllm-mamba-fix-(\d{1,10})\.db")
 _PROC = "/proc"
 
@@ -50,8 +48,7 @@ def _start_ticks(pid: int) -> int | None:  # in ticks since boot: unlike the clo
 
 
 def _pid_namespace() -> int:
-    """This process's pid namespace (0: unknown), only where ``/proc`` is of this namespace:
-    ``NSpid`` then lists one pid, our own."""
+    """Our pid namespace (0: unknown), only where ``/proc`` is ours: ``NSpid`` lists one pid."""
     try:
         with open(f"{_PROC}/self/status") as fh:
             nspid = next((line.split()[1:] for line in fh if line.startswith("NSpid:")), None)

@@ -32,7 +32,6 @@ WORKAROUND = (
 
 
 def affected(use_eagle: Any, unit: BlockUnit, prefix_caching: Any) -> bool:
-    """The built scheduler is in the combination: EAGLE-type, Mamba groups, prefix caching."""
     return use_eagle is True and unit.mamba is not None and prefix_caching is True
 
 

@@ -22,8 +22,7 @@ class MethodState(enum.Enum):
     # Another plugin assigned its own method over our wrapper; we wrapped theirs.
     WRAPPED_REPLACEMENT = "wrapped-replacement"
     STOCK = "stock"  # no rule needs it for this class
-    # A subclass defines its own method: not wrapped, since the rule re-asks the
-    # stock method and cannot vouch for another's contract.
+    # A subclass's own method: not wrapped, as the rule re-asks stock and cannot vouch for it.
     OVERRIDDEN = "overridden"
     UNPATCHABLE = "unpatchable"  # its shape is not one the wrapper knows
 
@@ -39,8 +38,7 @@ class MethodRecord:
     owner: str  # the class whose namespace holds what the class resolves
     wraps: str | None = None  # module.qualname of what the plugin's wrapper calls
     note: str = ""  # why it was left stock, or who replaced it
-    # The rules the wrapper this class resolves to carries (its own or inherited).
-    rules: frozenset[Rule] = frozenset()
+    rules: frozenset[Rule] = frozenset()  # what the resolved wrapper carries (own or inherited)
 
     def describe(self) -> str:
         text = f"{self.name} {self.state.value} on {self.owner}"
@@ -55,8 +53,7 @@ class ClassRecord:
     evidence: Evidence
     methods: tuple[MethodRecord, ...]
     block: BlockUnit | None = None  # of the scheduler built last; None in a dry run
-    # Why vLLM never calls the split for the scheduler built last (no Mamba KV cache
-    # group, no align mode); None: it does, or no scheduler was built.
+    # Why vLLM never calls the last built scheduler's split (no Mamba group, no align mode), or None
     split_idle: str | None = None
 
     def method(self, name: str) -> MethodRecord | None:
@@ -119,8 +116,7 @@ def recorded(name: str) -> ClassRecord | None:
         return installation.memory[Records].get(name)
 
 
-def note_block_unit(cls: type, unit: BlockUnit) -> None:
-    """The block sizes a scheduler of ``cls`` settled at its first split."""
+def note_block_unit(cls: type, unit: BlockUnit) -> None:  # settled at a scheduler's first split
     with _lock:
         known = installation.memory[Records]
         found = known.get(class_name(cls))

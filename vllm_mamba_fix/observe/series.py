@@ -2,8 +2,7 @@
 
 Every series carries vLLM's ``model_name`` and ``engine`` labels with vLLM's values, so joins
 with ``vllm:num_requests_running`` work (``data_parallel_index``: vLLM resets the rank to 0 for a
-non-MoE model). Gauges are ``mostrecent``, as vLLM's: an unwiped directory does not add up.
-"""
+non-MoE model). Gauges are ``mostrecent``, as vLLM's: an unwiped directory does not add up."""
 
 from __future__ import annotations
 
@@ -55,7 +54,6 @@ SERIES: dict[str, Series] = {
     ),
 }
 
-# Gauges, one value per engine core.
 INFO = Series(
     "vllm_mamba_fix_info",
     "vllm-mamba-fix in this engine core: versions, the rules that run, settings (always 1)",
@@ -83,10 +81,8 @@ OLDEST_STALL = Series(
 )
 GAUGES = (INFO, SPLIT_BLOCK, MAMBA_BLOCK, STALLED, OLDEST_STALL)
 
-# Every metric name the plugin exports, as Prometheus stores it (counters with "_total").
 METRIC_NAMES = frozenset(s.sample for s in (*SERIES.values(), *GAUGES))
 
-# vLLM's own label names, on every series of the plugin's engine cores.
 IDENTITY = ("model_name", "engine")
 
 
@@ -107,8 +103,7 @@ def with_labels(series: Series, extra: Labels) -> Labels:  # sorted: one key per
 
 
 def info_labels(found: Any, settings: Any, vllm_version: str) -> dict[str, str]:
-    """The info series' own labels: versions, the rules that run, the settings that shape them
-    (``found``: the class's record.ClassRecord, None if unrecorded)."""
+    """The info series' own labels (``found``: the class's ClassRecord, None if unrecorded)."""
 
     def seconds(value: float | None) -> str:
         return "off" if value is None else f"{value:g}"

@@ -14,5 +14,4 @@ modules; never ``install`` or ``doctor``. The three rule-carrying wrappers impor
 another. What the rules remember is the session's (``installation.memory``), per scheduler
 weakly; the plugin's own scheduler attributes are the block unit and the settled split state
 (``split_settle.py`` sets them, ``split_rule.py`` re-settles and reads them, as does
-``block_unit.py``), beside the block-unit rule's ``cache_config`` view.
-"""
+``block_unit.py``), beside the block-unit rule's ``cache_config`` view."""

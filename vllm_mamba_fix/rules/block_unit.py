@@ -13,8 +13,7 @@
 every release (0.15-0.34), so every split floors as with ``--block-size`` pinned. Where the
 cache's block is longer than any chunk (``starved``), pinned stock returns 0 on 0.15-0.26:
 vLLM's configured answer stopped at the next cache boundary is the chunk, and one asked past
-the cache's block (0.34) is asked through the view (:func:`asked_through`). No vLLM import.
-"""
+the cache's block (0.34) is asked through the view (:func:`asked_through`). No vLLM import."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What a request's encoder inputs need, read from the scheduler: the proofs that a 0 never
 clears (its own inputs never fit; stalled requests hold the space each other needs), and
-whether a 0 is the speculative stall. The arithmetic is ``decide/``'s; no vLLM import.
-"""
+whether a 0 is the speculative stall. The arithmetic is ``decide/``'s; no vLLM import."""
 
 from __future__ import annotations
 

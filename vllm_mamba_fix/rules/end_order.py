@@ -1,7 +1,6 @@
 """The order the watchdog (``stall_watch``) leaves for the stall end (``stall_end``, at the
 safe point), so neither imports the other, and whether a scheduler can carry one out. vLLM's
-types are read only inside :func:`support`.
-"""
+types are read only inside :func:`support`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """How every wrapper is finished: it looks like what it wraps (``functools.update_wrapper``,
 ``__wrapped__`` included) and carries the plugin's marker (``targets.MARKER``) set to what it
-carries, which patch, the record and doctor read.
-"""
+carries, which patch, the record and doctor read."""
 
 from __future__ import annotations
 

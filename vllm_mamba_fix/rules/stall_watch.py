@@ -12,8 +12,7 @@
 (one WARNING, :func:`name_stall`); a named stall still there ``end_stalls_after`` seconds and
 two samples later is ordered to end (:func:`consider`) if its own encoder inputs keep it there
 whatever others do, or it is the one victim of stalls holding the space each other needs. The
-order is carried out at the next step (``stall_end``). No vLLM import.
-"""
+order is carried out at the next step (``stall_end``). No vLLM import."""
 
 from __future__ import annotations
 
@@ -51,9 +50,8 @@ from vllm_mamba_fix.rules.encoder_facts import (
 from vllm_mamba_fix.rules.end_order import EndOrder, order_end, ordered, support_of
 from vllm_mamba_fix.rules.zero_streaks import ZeroStreaks
 
-RECHECK_SECONDS = 1.0
-# The watchdog's time, read once per step by its look; tests put a clock they advance here.
-clock: Callable[[], float] = time.monotonic
+RECHECK_SECONDS = 1.0  # an unproven stall is looked at again once a second, not on every step
+clock: Callable[[], float] = time.monotonic  # read once per step by its look; tests put theirs
 
 
 class Named(weakref.WeakKeyDictionary[Any, dict[str, tuple[ZeroStreaks, Streak]]]):
@@ -84,7 +82,6 @@ def _named_stalls(scheduler: Any) -> dict[str, Stalled]:
 
 
 def _split_rule(scheduler: Any) -> Any:
-    """The options of the split wrapper on ``scheduler``'s class where its split rule runs."""
     options = getattr(getattr(type(scheduler), SPLIT_METHOD, None), MARKER, None)
     return options if getattr(options, "deadlock_rules", False) else None
 
@@ -132,8 +129,7 @@ class Heard(NamedTuple):
 
 
 def name_stall(scheduler: Any, request: Any, heard: Heard, speculative: bool | None) -> None:
-    """One WARNING; ``speculative`` as ``stall_look.speculative_zero`` says (None: a cut only
-    the split floors to 0)."""
+    """One WARNING; ``speculative`` as ``stall_look.speculative_zero`` says (None: split floor)."""
     store, streak, now, end_after, window_end = heard
     streak.warned, streak.named_at, streak.window_end = True, now, window_end
     _named_stalls(scheduler)  # forget the stalls that ended since
@@ -188,7 +184,6 @@ def consider(scheduler: Any, request: Any, heard: Heard) -> None:
         return
     streak.steps_named += 1
     streak.window_end = window_end
-    # An unproven stall is looked at again once a second, not on every step.
     if not end_due(streak, now, end_after) or now < streak.unproven_until:
         return
     proof = own_inputs_proof(scheduler, request, streak.position, window_end)

@@ -1,7 +1,6 @@
 """The stores of zero-token streaks (state, so not in ``decide/``): one per encoder-check
 wrapper and one per scheduler the watchdog samples. The session knows every store, so
-:func:`forget_request`, called when vLLM frees a request, leaves no streak behind.
-"""
+:func:`forget_request`, called when vLLM frees a request, leaves no streak behind."""
 
 from __future__ import annotations
 
@@ -60,7 +59,6 @@ def forget_request(request_id: str) -> None:
             store.clear(request_id)
 
 
-def tracked_requests() -> set[str]:
-    """Requests with a streak in any store (for tests and doctor)."""
+def tracked_requests() -> set[str]:  # for tests and doctor
     stores = list(installation.memory[Stores])
     return {rid for store in stores for rid in list(store.by_request)}

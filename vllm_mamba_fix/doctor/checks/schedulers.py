@@ -58,7 +58,6 @@ def _base_or_none() -> type | None:
 
 
 def _overriding_subclasses(base: type) -> list[str]:
-    """Loaded subclasses of ``base`` that define a rule method of their own."""
     found: list[str] = []
     stack, seen = list(base.__subclasses__()), set()
     while stack:

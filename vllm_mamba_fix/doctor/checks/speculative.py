@@ -26,8 +26,7 @@ OWN_KV_GROUP_TEXT = (
     "the engine core's cache_config.block_size (the smallest group block) will be below the "
     "Mamba block"
 )
-# What vLLM's SpeculativeConfig infers from the draft model's name when no
-# method is given, in its order (model-type checks need the model's config).
+# What SpeculativeConfig infers from the draft model's name when no method is given, in its order.
 _NAME_HINTS = (
     ("eagle-", "eagle"),
     ("eagle3", "eagle3"),
@@ -37,16 +36,13 @@ _NAME_HINTS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class SpeculativeMethods:
-    """The installed release's speculative methods, as ``SpeculativeConfig`` sees them."""
-
+class SpeculativeMethods:  # the installed release's, as ``SpeculativeConfig`` sees them
     eagle: tuple[str, ...]  # those use_eagle() accepts: the scheduler's EAGLE-type
     mtp_aliases: tuple[str, ...]  # names vLLM rewrites to "mtp"
     known: tuple[str, ...] | None  # every accepted method; None: not read
     source: str
 
 
-# vLLM 0.27.1's lists, used where the installed release's own cannot be read.
 FALLBACK_METHODS = SpeculativeMethods(
     ("eagle", "eagle3", "mtp", "dflash", "dspark"),
     ("deepseek_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp",
@@ -104,9 +100,8 @@ def _from_model(model: str, methods: SpeculativeMethods, given: bool) -> str | N
 
 
 def classify_speculative(config: Mapping[str, Any], methods: SpeculativeMethods) -> dict[str, Any]:
-    """Whether a ``--speculative-config`` makes the scheduler EAGLE-type (``use_eagle``):
-    ``eagle_type`` None where only the draft model's config, read by the engine at start,
-    can tell; ``invalid`` says why vLLM would reject it."""
+    """Whether it makes the scheduler EAGLE-type (``use_eagle``): ``eagle_type`` None where only
+    the draft model's config, read at engine start, can tell; ``invalid``: why vLLM rejects it."""
     method, model = config.get("method"), config.get("model")
     out: dict[str, Any] = {"method": method, "model": model, "invalid": None}
     resolved, how = method, "method given"
@@ -194,7 +189,6 @@ def check_speculative(
     decided: Plan | None,
     installed: frozenset[Rule],
 ) -> SpeculativeCheck:
-    """The speculative set-up, as far as it can be seen before the engine starts."""
     methods = release_speculative_methods()
     does, does_text = _what_the_plugin_does(decided, family, installed)
     data: dict[str, Any] = {
@@ -221,7 +215,6 @@ def check_speculative(
             "less than 2 tokens apart can stall, and the plugin can only name it; upgrade to "
             "0.33+, or keep 2 or more tokens between images"
         )
-    # vLLM's wrong tokens after a prefix hit here (vLLM #53912): named, the plugin cannot fix it.
     known = mtp_output_warning(True, method, version, family)
     data["known_vllm_issue"] = None if known is None else {"issue": VLLM_ISSUE, "text": known}
     return SpeculativeCheck(data, True, warnings=warnings + ([known] if known else []))
