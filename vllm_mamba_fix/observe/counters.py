@@ -249,11 +249,13 @@ def record_block_unit(mamba: int | None, split: int | None) -> None:
 def log_summary() -> None:
     counts = stats()
     if any(counts.values()):
-        logger.info(
-            "vllm-mamba-fix: this process prevented %d collapses, re-aligned %d chunks, "
-            "stopped %d chunks at an encoder input, released %d speculative stalls, aligned %d "
-            "chunks to the cache's block, named %d stalls (%d moved again) and ended %d",
-            *(counts[key] for key in KEYS if key != "encoder_references_dropped"),  # KEYS' order
+        logger.info(  # each count by its key: logging formats a lone mapping by name
+            "vllm-mamba-fix: this process prevented %(collapses_prevented)d collapses, re-aligned "
+            "%(chunks_realigned)d chunks, stopped %(chunks_stopped_at_encoder_input)d chunks at an "
+            "encoder input, released %(speculative_stalls_released)d speculative stalls, aligned "
+            "%(block_rule_chunks)d chunks to the cache's block, named %(stalls_detected)d stalls "
+            "(%(stalls_resolved)d moved again) and ended %(stalls_ended)d",
+            counts,
             extra=fields("summary", counts=counts),
         )
 
