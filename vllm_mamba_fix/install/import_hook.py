@@ -1,11 +1,9 @@
 """Run a callback on the scheduler module once it is imported, without importing it early.
 
 Processes that never import the scheduler (the front end, the workers) must not pay for it.
-wrapt's post-import hooks would add a compiled dependency and cannot be removed, which
-``unregister()`` and doctor's dry run need; the semantics follow wrapt's: the callback runs
-once, on the import that succeeds (a failed import keeps the hook); a module another thread is
-importing is waited for, never read half-built; a probing ``find_spec`` does not use the hook
-up. The hook on ``sys.meta_path`` is a recorded change (:data:`TAG`: :func:`pending_hook`).
+wrapt's post-import hooks cannot be removed, which ``unregister()`` and doctor's dry run need;
+the semantics follow wrapt's: the callback runs once, on the import that succeeds; a module
+another thread is importing is waited for; a probing ``find_spec`` does not use the hook up.
 """
 
 from __future__ import annotations

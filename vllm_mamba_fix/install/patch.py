@@ -1,15 +1,11 @@
 """The one place that changes vLLM's scheduler classes.
 
 When the scheduler module is imported, :func:`install` wraps the base ``Scheduler``'s methods
-its own code needs (:func:`install_on_base`), plus ``__init__`` so every built scheduler is
-checked and ``_free_request`` so per-request state ends with the request. When the engine
-builds a scheduler, :func:`check_class` settles its class one rule-carrying method at a time
-(:func:`settle_method`), so that what it resolves carries the rules its own code needs, records
-it (:func:`describe_method`) and logs its active line once. Every change goes through
-``changes.installation`` (tagged :data:`TAG`), so :func:`undo` restores exactly what was there;
-nothing is set on a scheduler instance. Everything here runs under :data:`import_hook.lock`.
-The active line's module is imported where a line is logged (a built scheduler), not with
-the patch: the patch runs in every process that imports the scheduler module.
+its own code needs, plus ``__init__`` (every built scheduler is checked) and ``_free_request``
+(per-request state ends with the request). When the engine builds a scheduler,
+:func:`check_class` settles its class one rule-carrying method at a time, records it and logs
+its active line once (that module is imported only then). Every change goes through
+``changes.installation`` (:data:`TAG`); everything here runs under :data:`import_hook.lock`.
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 
 vLLM calls ``register()`` in every process it starts and does not catch what a general plugin
 raises, so nothing here may raise: when in doubt, vLLM is left untouched and one line says why.
-When the scheduler module is imported, the base ``Scheduler`` gets the rules its own code needs;
-when the engine builds a scheduler, its class is settled and recorded, and one active line per
-class says what runs. Every change goes through ``changes.installation``, which
-:func:`unregister` closes.
+The patch itself waits for the scheduler module (install/patch.py); every change goes through
+``changes.installation``, which :func:`unregister` closes.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 Through 0.27.1 ``schedule()`` asks ``_try_schedule_encoder_inputs`` right before the split, which
 then floors the cut chunk; 0.28 splits first (vLLM #51603). The split alone cannot tell an
-encoder cut from a token-budget cut that ends before an image; the check can. Its wrapper
-notes each answer in the session (:class:`EncoderNote`), overwritten by the next check, and the
-split wrapper reads it for the same request at the same position. No vLLM import.
+encoder cut from a token-budget cut; the check's wrapper notes each answer in the session, and
+the split wrapper reads it for the same request at the same position. No vLLM import.
 """
 
 from __future__ import annotations

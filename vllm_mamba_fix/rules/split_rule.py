@@ -306,8 +306,7 @@ class SplitRule:
 
 
 def tail_frees_room_at(scheduler: Any, request: Any, start: int, cut: int, answer: int) -> bool:
-    """``decision.tail_frees_room`` with the scheduler's numbers, read only where the encoder
-    stop would replace a whole-block answer."""
+    """``decision.tail_frees_room`` with the scheduler's numbers (where the stop is in doubt)."""
     feats = list(getattr(request, "mm_features", None) or ())
     at = start + cut
     later = [i for i, f in enumerate(feats) if f.mm_position.offset >= at]
@@ -337,8 +336,7 @@ def eagle_remainder_waits(call: Any, start: int) -> bool:
     EAGLE waits for a step that gives a block, as 0.28 floors it (0.15-0.26 only): those
     releases back that position off a block and leave a chunk from it unfloored ([96, 101) of
     a 153-token prompt in block 48), whose next chunk crosses 144 from mid-block (#51113).
-    Only where a step can give a block and the token budget, not an input, cut the chunk.
-    Here, not in split_reads.py: a corrected call enters at most four package files."""
+    Only where a step can give a block and the token budget, not an input, cut the chunk."""
     request, size, answer = call.request, call.state.size, call.answer
     if answer >= size or start % size or getattr(call.scheduler, "use_eagle", False) is not True:
         return False
@@ -347,12 +345,11 @@ def eagle_remainder_waits(call: Any, start: int) -> bool:
     prefill_end = max(request.num_prompt_tokens, tokens - 1)
     if start != last or start + size >= prefill_end:
         return False
-    # An input at the chunk's end (or one look-ahead token past it): the encoder check may
-    # have cut it, and 0.28's order may give that chunk: left as it is.
+    # An input at the chunk's end (or one look-ahead token past): an encoder cut, left as it is.
     end = start + answer
     if any(end <= f.mm_position.offset <= end + 1 for f in request.mm_features or ()):
         return False
-    # A step can give a block (facts.blocks.longest_chunk's reads, here: one file fewer).
+    # A step can give a block (facts.blocks.longest_chunk's reads: one package file fewer).
     scheduler = call.scheduler
     budget = getattr(scheduler, "max_num_scheduled_tokens", None)
     threshold = getattr(

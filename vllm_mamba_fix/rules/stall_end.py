@@ -10,18 +10,16 @@
 # Decided:  by its setting, and on only with the watchdog (decide/policy.py:
 #           stall_end_verdict).
 # Removed:  with the watchdog.
-"""Ending a stall no rule can end: one request, with vLLM's own scheduler-side finish.
-
-Every release 0.15.1-0.33.0 ends a request that fails a KV load inside ``update_from_output``
-with ``finish_requests(ids, FINISHED_ERROR)`` (freeing its blocks and encoder inputs) and one
-``EngineCoreOutput`` in ``outputs[request.client_index]``; the request is read before, as the
-return differs by release. ``FinishReason.ERROR`` reaches the client as HTTP 500 with the cause
-lost, so 0.15-0.32 end with ABORT and the message as ``stop_reason``; 0.33 carries it in
-``EngineCoreOutput.error`` (``FINISHED_ERROR``). The safe point: ``EngineCore`` processes
-client aborts right before ``update_from_output``; the wrapper ends the ordered requests there
-and appends their outputs to vLLM's. The order comes from the watchdog's look at an earlier
-step (docs/reliability.md, "Ending stalls").
-"""
+"""Ending a stall no rule can end: one request, with vLLM's own scheduler-side finish. Every release
+0.15.1-0.33.0 ends a request that fails a KV load inside ``update_from_output`` with
+``finish_requests(ids, FINISHED_ERROR)`` (freeing its blocks and encoder inputs) and one
+``EngineCoreOutput`` in ``outputs[request.client_index]``; the request is read before, as the return
+differs by release. ``FinishReason.ERROR`` reaches the client as HTTP 500 with the cause lost, so
+0.15-0.32 end with ABORT and the message as ``stop_reason``; 0.33 carries it in
+``EngineCoreOutput.error`` (``FINISHED_ERROR``). The safe point: ``EngineCore`` processes client
+aborts right before ``update_from_output``; the wrapper ends the ordered requests there and appends
+their outputs to vLLM's. The order comes from the watchdog's look at an earlier step
+(docs/reliability.md, "Ending stalls")."""
 
 from __future__ import annotations
 
