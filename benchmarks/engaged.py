@@ -174,6 +174,56 @@ def step_bench(workload: str, state: str, rounds: int, steps: int) -> dict[str, 
     }
 
 
+def bytecodes_per_step(workload: str, state: str, steps: int) -> dict[str, float]:
+    """Python bytecodes ``schedule()`` + ``update_from_output()`` execute per step, per arm
+    (``sys.settrace`` with opcode events): a count the machine's load cannot move, next to the
+    timed ratios. It weighs a cheap instruction as an expensive one: a proxy, not a time."""
+
+    cls = hotpath._scheduler_class()
+    arms, _ = _step_arms()
+    counted: dict[str, float] = {}
+    try:
+        hotpath._install(cls, arms["plugin"])
+        pool = {arm: build(workload, None) for arm in ("stock", "bare")}
+        pool["plugin"] = plugin_harness(workload, state)
+        for arm, harness in pool.items():
+            hotpath._install(cls, arms[arm])
+            harness.step()
+            total = 0
+
+            def tracer(frame: Any, event: str, arg: Any) -> Any:
+                nonlocal total
+                frame.f_trace_opcodes = True
+                total += event == "opcode"
+                return tracer
+
+            _traced_step(harness.scheduler, tracer)
+            for _ in range(steps):
+                harness.step()
+            counted[arm] = total / steps
+    finally:
+        hotpath._install(cls, arms["plugin"])
+    return counted
+
+
+def _traced_step(scheduler: Any, tracer: Any) -> None:
+    """Shadow ``schedule`` and ``update_from_output`` with traced calls of the class's method."""
+    import sys
+
+    cls = type(scheduler)
+    for name in ("schedule", "update_from_output"):
+
+        def traced(*args: Any, _name: str = name, **kwargs: Any) -> Any:
+            method = getattr(cls, _name)
+            sys.settrace(tracer)
+            try:
+                return method(scheduler, *args, **kwargs)
+            finally:
+                sys.settrace(None)
+
+        setattr(scheduler, name, traced)
+
+
 # --------------------------------------------------------------------------- per split call
 
 Call = tuple[Any, int, tuple[Any, ...], dict[str, Any]]
@@ -316,6 +366,9 @@ def run(profile: str) -> dict[str, Any]:
     out = run_calls(profile)
     rounds, steps = (1, 6) if profile == "smoke" else (8, 30)
     out["steps"] = {key: step_bench(w, s, rounds, steps) for key, w, s in _keys()}
+    traced = 2 if profile == "smoke" else 5
+    for key, w, s in _keys():
+        out["steps"][key]["bytecodes"] = bytecodes_per_step(w, s, traced)
     return out
 
 
@@ -363,3 +416,11 @@ def rows(data: dict[str, Any], row: Callable[..., None]) -> None:
             f"{st['diverged_steps']} diverged",
             f"<= {TARGET_STEP_RATIO}, 0 diverged",
             plugin["median"] <= TARGET_STEP_RATIO and st["diverged_steps"] == 0)  # fmt: skip
+        codes = st.get("bytecodes")
+        if codes:
+            row("1 hot path", f"bytecodes per step, vLLM {release}, {workload} workload, "
+                f"block-unit rule {state}: plugin / stock and bare wrappers / stock (counted, "
+                "not timed)",
+                f"plugin {fmt(codes['plugin'] / codes['stock'], 4)}; bare "
+                f"{fmt(codes['bare'] / codes['stock'], 4)}; stock {codes['stock']:,.0f} a "
+                "step")  # fmt: skip
