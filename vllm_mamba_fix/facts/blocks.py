@@ -55,8 +55,8 @@ def view_of(real: Any, block_size: int) -> CacheConfigView:
     """A view of ``real`` whose ``block_size`` is the cache's. It is a subclass of the config's
     class sharing its instance ``__dict__``, so vLLM reads every other field live at C speed
     (0.34's ``update_from_output`` reads ``cache_config.enable_prefix_caching`` per request: a
-    ``__getattr__`` proxy cost an engaged step about 3%). Where the class allows no such
-    subclass, a proxy that forwards each read."""
+    ``__getattr__`` proxy made each a Python call). Where the class allows no such subclass, a
+    proxy that forwards each read."""
     members = {"__slots__": ("_real", "block_size"), "__setattr__": _write_through}
     try:
         cls = type(
