@@ -207,21 +207,17 @@ def bytecodes_per_step(workload: str, state: str, steps: int) -> dict[str, float
 
 
 def _traced_step(scheduler: Any, tracer: Any) -> None:
-    """Shadow ``schedule`` and ``update_from_output`` with traced calls of the class's method."""
+    """``schedule()`` and ``update_from_output()`` run under ``tracer`` (hotpath.shadow_step)."""
     import sys
 
-    cls = type(scheduler)
-    for name in ("schedule", "update_from_output"):
+    def traced(name: str, method: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        sys.settrace(tracer)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            sys.settrace(None)
 
-        def traced(*args: Any, _name: str = name, **kwargs: Any) -> Any:
-            method = getattr(cls, _name)
-            sys.settrace(tracer)
-            try:
-                return method(scheduler, *args, **kwargs)
-            finally:
-                sys.settrace(None)
-
-        setattr(scheduler, name, traced)
+    hotpath.shadow_step(scheduler, traced)
 
 
 # --------------------------------------------------------------------------- per split call

@@ -554,29 +554,38 @@ def _build_text(count: int) -> list[Any]:
     return built
 
 
-def _timed_step(scheduler: Any, sink: list[int]) -> None:
-    """Shadow ``schedule`` and ``update_from_output``: each step's sink entry is the sum of
-    both (the harness's fake model runner between them is not timed)."""
-    clock = time.perf_counter_ns
+def shadow_step(scheduler: Any, around: Callable[..., Any]) -> None:
+    """Shadow ``schedule`` and ``update_from_output`` on ``scheduler``: each call runs
+    ``around(name, method, args, kwargs)`` with the class's method looked up at that call, so
+    the arm installed for the step runs (one bound here would keep this moment's for every arm)."""
     cls = type(scheduler)
     for name in ("schedule", "update_from_output"):
-        # Looked up on the class at each call: the arm installed for this step runs (a method
-        # bound here would keep the class's method of this moment for every arm).
-        def timed(*args: Any, _name: str = name, **kwargs: Any) -> Any:
-            method = getattr(cls, _name)
-            gc.disable()
-            t0 = clock()
-            try:
-                return method(scheduler, *args, **kwargs)
-            finally:
-                elapsed = clock() - t0
-                gc.enable()
-                if _name == "schedule":
-                    sink.append(elapsed)
-                else:
-                    sink[-1] += elapsed
 
-        setattr(scheduler, name, timed)
+        def shadowed(*args: Any, _name: str = name, **kwargs: Any) -> Any:
+            return around(_name, getattr(cls, _name).__get__(scheduler), args, kwargs)
+
+        setattr(scheduler, name, shadowed)
+
+
+def _timed_step(scheduler: Any, sink: list[int]) -> None:
+    """Each step's sink entry is the time of ``schedule()`` + ``update_from_output()`` (the
+    harness's fake model runner between them is not timed)."""
+    clock = time.perf_counter_ns
+
+    def timed(name: str, method: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        gc.disable()
+        t0 = clock()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            elapsed = clock() - t0
+            gc.enable()
+            if name == "schedule":
+                sink.append(elapsed)
+            else:
+                sink[-1] += elapsed
+
+    shadow_step(scheduler, timed)
 
 
 def text_step_bench(rounds: int, steps: int) -> dict[str, Any]:
