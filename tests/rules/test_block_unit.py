@@ -97,6 +97,36 @@ def test_undoing_the_record_gives_the_scheduler_its_own_cache_config_back() -> N
     assert scheduler.cache_config is real
 
 
+def known_split(
+    self: Any,
+    request: Any,
+    num_new_tokens: int,
+    num_new_local_computed_tokens: int = 0,
+    num_external_computed_tokens: int = 0,
+) -> int:
+    """:func:`split` with the parameters of every release from 0.26 (the known wrapper's)."""
+    return split(self, request, num_new_tokens)
+
+
+@pytest.mark.parametrize("method", [split, known_split], ids=["any-signature", "known"])
+def test_a_scheduler_living_through_the_undo_is_settled_by_the_next_wrapper(
+    method: Callable[..., int],
+) -> None:
+    """The wrapper reads whatever state the scheduler holds, unchecked: the undo deletes it,
+    so a wrapper installed later settles the scheduler again with its own options."""
+    cls = scheduler_class(method)
+    scheduler = build(cls)
+    real = scheduler.cache_config
+    assert scheduler._mamba_block_aligned_split(request(0), 400) == 256  # engaged
+    assert installation.undo(lambda change: True)
+    assert scheduler.cache_config is real
+    off = dataclasses.replace(OPTIONS, block_rule=False)
+    cls._mamba_block_aligned_split = make_wrapper(method, off)
+    assert scheduler._mamba_block_aligned_split(request(0), 400) == 384  # vLLM's own
+    assert scheduler.cache_config is real
+    assert scheduler.seen == [CACHE_BLOCK, CONFIGURED]
+
+
 def test_vllms_exception_propagates() -> None:
     def raising(self: Any, *args: Any) -> int:
         raise ValueError("vLLM's own")

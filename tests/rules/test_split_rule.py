@@ -136,7 +136,7 @@ def test_a_decode_is_never_corrected() -> None:
 
 
 def test_the_whole_chunk_fast_path_is_exactly_where_decide_changes_nothing() -> None:
-    """The wrapper returns a whole chunk at once where ``stays_in_block``: exhaustively over
+    """``look`` returns a whole chunk first where ``stays_in_block``: exhaustively over
     small numbers, exactly where ``decide()`` leaves a whole chunk unchanged, whatever the
     encoder cut's uncut answer."""
     for size in range(1, 9):
@@ -187,7 +187,7 @@ def test_a_waiting_zero_drops_the_references_its_check_took(status: str) -> None
     scheduler = SimpleNamespace(encoder_cache_manager=manager)
     wrap = WrapOptions(PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL))
     rule = SplitRule(lambda *a: 0, wrap)
-    state = SplitState(BLOCK, quiet=False, settled_for=wrap)
+    state = SplitState(BLOCK, quiet=False)
     copy.num_computed_tokens, copy.num_prompt_tokens, copy.num_tokens = 0, PROMPT, PROMPT
     copy.num_output_tokens = 0
     assert rule.look(SplitCall(scheduler, copy, 100, 0, 0, state, ())) == 0

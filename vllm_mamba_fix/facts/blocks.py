@@ -90,7 +90,6 @@ class SplitState:  # what the split wrapper needs of one scheduler, settled at i
     starved: bool = False
     quiet: bool = False  # no call can need a look: return vLLM's answer
     whole_chunks_cross: bool = True  # see decide.decision.whole_chunks_may_cross
-    settled_for: Any = None  # the settling wrapper's options: others (re-wrapped) settle again
 
 
 def longest_chunk(scheduler: Any) -> int | None:

@@ -45,8 +45,7 @@ from vllm_mamba_fix.rules import block_unit, encoder_cut, split_reads
 from vllm_mamba_fix.rules.marking import marked
 from vllm_mamba_fix.rules.split_settle import WrapOptions, settle
 
-# The fast wrapper's default for a trailing argument its caller left out: a wrapper of the
-# known trailing parameters forwards no *args/**kwargs (that alone costs about 0.6 us a call).
+# The known wrapper's default for the third trailing argument, which only 0.24-0.25 have.
 NOT_GIVEN: Any = object()
 NO_KWARGS: Kwargs = {}  # the known signature's keywords: none (only unpacked, never changed)
 
@@ -62,19 +61,18 @@ def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable
     """Wrap the split ``original``; vLLM's own exceptions propagate, the wrapper's never do."""
     rule = SplitRule(original, options)
     if split_reads.has_known_parameters(original):
-        wrapper = _known_signature(original, options, rule)
+        wrapper = _known_signature(original, rule)
     else:
-        wrapper = _any_signature(original, options, rule)
+        wrapper = _any_signature(original, rule)
     return marked(wrapper, original, options)
 
 
-def _known_signature(
-    original: Callable[..., int], options: WrapOptions, rule: SplitRule
-) -> Callable[..., int]:
+def _known_signature(original: Callable[..., int], rule: SplitRule) -> Callable[..., int]:
     """The wrapper for the split's known parameters, the one vLLM calls on every release: it
-    forwards positionally and returns a whole chunk at once unless a rule can look at it."""
-    settled, look, fall_back = rule.settled, rule.look, rule.fall_back
-    takes = rule.takes_request  # None: the split rule is off (no 0 of its own to look at)
+    forwards positionally (no *args, about 0.6 us a call) and returns a whole chunk (every
+    decode) on one comparison and one flag; the rest meets ``rule.look``. A scheduler's state
+    is set at its first split and deleted by unregister(): it is this wrapper's settling."""
+    settled, look, takes, fall_back = rule.settled, rule.look, rule.takes, rule.fall_back
 
     def split(
         self: Any,
@@ -82,52 +80,44 @@ def _known_signature(
         num_new_tokens: int,
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
-        num_uncached_common_prefix_tokens: int = NOT_GIVEN,
+        num_uncached_common_prefix_tokens: int = NOT_GIVEN,  # 0.24-0.25's third
     ) -> int:
         try:
             state = self._vllm_mamba_fix_split  # facts.blocks.SPLIT_ATTR
         except AttributeError:
             state = settled(self)
-        if state.settled_for is not options:
-            state = settled(self)
-        local, external = num_new_local_computed_tokens, num_external_computed_tokens
-        uncached = num_uncached_common_prefix_tokens
-        if uncached is NOT_GIVEN:
-            answer = original(self, request, num_new_tokens, local, external)
+        if num_uncached_common_prefix_tokens is NOT_GIVEN:
+            answer = original(
+                self, request, num_new_tokens, num_new_local_computed_tokens,
+                num_external_computed_tokens,
+            )  # fmt: skip
         else:
-            answer = original(self, request, num_new_tokens, local, external, uncached)
+            answer = original(
+                self, request, num_new_tokens, num_new_local_computed_tokens,
+                num_external_computed_tokens, num_uncached_common_prefix_tokens,
+            )  # fmt: skip
         try:
-            if answer == num_new_tokens:  # a whole chunk (every decode)
+            if answer == num_new_tokens:
                 if not state.whole_chunks_cross:  # also where quiet
                     return answer
-                start = request.num_computed_tokens + local + external
-                if stays_in_block(start, answer, state.size) and (
-                    answer >= state.size or start % state.size or not getattr(self, "use_eagle", 0)
-                ):  # a sub-block chunk from a boundary under EAGLE: see eagle_remainder_waits
-                    return answer
-            elif state.quiet:
-                return answer
-            elif not answer and (takes is None or not takes(request)):
+            elif state.quiet or not (answer or takes(request)):
                 return answer  # a 0 out of the split rule's reach (re-aligning never acts)
         except Exception as exc:
             return fall_back(exc, answer)
-        args = (local, external) if uncached is NOT_GIVEN else (local, external, uncached)
-        offset = local + external
-        return look(SplitCall(self, request, num_new_tokens, answer, offset, state, args))
+        args = num_new_local_computed_tokens, num_external_computed_tokens
+        if num_uncached_common_prefix_tokens is not NOT_GIVEN:
+            args += (num_uncached_common_prefix_tokens,)
+        return look(SplitCall(self, request, num_new_tokens, answer, sum(args[:2]), state, args))
 
     return split
 
 
-def _any_signature(
-    original: Callable[..., int], options: WrapOptions, rule: SplitRule
-) -> Callable[..., int]:
+def _any_signature(original: Callable[..., int], rule: SplitRule) -> Callable[..., int]:
     """The wrapper for a split whose trailing parameters the plugin does not know."""
     settled, look = rule.settled, rule.look
 
     def split(self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> int:
-        state = getattr(self, SPLIT_ATTR, None)
-        if state is None or state.settled_for is not options:
-            state = settled(self)
+        state = getattr(self, SPLIT_ATTR, None) or settled(self)
         answer = original(self, request, num_new_tokens, *args, **kwargs)
         if state.quiet or (answer == num_new_tokens and not state.whole_chunks_cross):
             return answer
@@ -138,6 +128,15 @@ def _any_signature(
         return look(SplitCall(self, request, num_new_tokens, answer, offset, state, args, kwargs))
 
     return split
+
+
+def whole_chunk_stands(scheduler: Any, start: int, answer: int, state: SplitState) -> bool:
+    """A whole chunk that stays in its block: vLLM's, but for a sub-block chunk from a
+    boundary under EAGLE (see :func:`eagle_remainder_waits`)."""
+    size = state.size
+    return stays_in_block(start, answer, size) and (
+        answer >= size or bool(start % size) or not getattr(scheduler, "use_eagle", 0)
+    )
 
 
 def stays_in_block(start: int, tokens: int, size: int) -> bool:
@@ -172,11 +171,13 @@ class SplitRule:
         self.by_position = options.prefill_gate is PrefillGate.BEFORE_PREFILL_END
         # Only the block-unit rule's re-align applies to a request the split rule leaves.
         self.realign_others = options.block_rule and options.realign and options.realign_others
-        # The split rule's scope (the patch loaded the scope hooks); None: the rule is off.
-        self.takes_request = _scope_test(options.scope) if options.deadlock_rules else None
+        # Whether the split rule acts on a request: it is on, and the request is in its scope
+        # (the patch loaded the scope hooks).
+        off = lambda request: False  # noqa: E731
+        self.takes = _scope_test(options.scope) if options.deadlock_rules else off
 
     def settled(self, scheduler: Any) -> SplitState:
-        """The state of a scheduler the wrapper meets unsettled (or settled by another)."""
+        """The state of a scheduler the wrapper meets unsettled."""
         try:
             state, unit = settle(scheduler, self.options)
             record.note_block_unit(type(scheduler), unit)
@@ -184,19 +185,17 @@ class SplitRule:
         except Exception as exc:
             self._settle_failed(exc, None)
             # Stand down, once.
-            state = SplitState(0, quiet=True, whole_chunks_cross=False, settled_for=self.options)
+            state = SplitState(0, quiet=True, whole_chunks_cross=False)
             installation.set_on(scheduler, SPLIT_ATTR, state)
             return state
-
-    def takes(self, request: Any) -> bool:
-        """Whether the split rule acts on ``request``: it is on, and the request is in scope."""
-        return self.takes_request is not None and self.takes_request(request)
 
     def look(self, call: SplitCall) -> int:
         """An answer a rule may act on: counted or corrected, else returned as it is."""
         answer = call.answer
         try:
             start, state = call.request.num_computed_tokens + call.offset, call.state
+            if answer == call.asked and whole_chunk_stands(call.scheduler, start, answer, state):
+                return answer
             if state.view is not None or state.starved:
                 answer = self._block_unit(call, start)
             if answer == call.asked:

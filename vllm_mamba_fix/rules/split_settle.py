@@ -93,6 +93,6 @@ def settle(scheduler: Any, options: WrapOptions) -> tuple[SplitState, BlockUnit]
         starved
         or whole_chunks_may_cross(realigns, not options.realign_others, split_block or size, size)
     )
-    state = SplitState(size, view, configured_size, beyond, starved, quiet, cross, options)
+    state = SplitState(size, view, configured_size, beyond, starved, quiet, cross)
     installation.set_on(scheduler, SPLIT_ATTR, state)
     return state, unit
