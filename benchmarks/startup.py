@@ -3,7 +3,10 @@
 Measured in processes that already imported vLLM, as ``load_general_plugins()`` finds them:
 
 - ``hook``: the scheduler module is not imported yet (front end, workers): ``register()`` only
-  installs an import hook; the patch runs when the scheduler module is imported (timed too);
+  installs an import hook; the patch runs when the scheduler module is imported (timed too).
+  The process holds what ``vllm serve``'s front end holds when it first loads plugins (building
+  its argument parser): ``vllm.entrypoints.openai.api_server``, which imports prometheus_client;
+  workers and engine cores skip the metrics attach altogether (a multiprocessing child);
 - ``imported``: the scheduler module is already imported (engine core): ``register()`` patches.
 
 "cold" includes importing ``vllm_mamba_fix`` (the entry point load), first call in the process.
@@ -34,8 +37,10 @@ def cold_register(case: str) -> dict[str, Any]:
 
     if case == "imported":
         import vllm.v1.core.sched.scheduler
-    elif SCHEDULER_MODULE in sys.modules:
-        raise RuntimeError("the scheduler module is already imported")
+    else:
+        _import_front_end()
+        if SCHEDULER_MODULE in sys.modules:
+            raise RuntimeError("the scheduler module is already imported")
     clock = time.perf_counter_ns
     t0 = clock()
     import vllm_mamba_fix
@@ -75,6 +80,15 @@ def cold_register(case: str) -> dict[str, Any]:
     }
     result["total_ms"] = result["import_ms"] + result["register_ms"] + result["deferred_patch_ms"]
     return result
+
+
+def _import_front_end() -> None:
+    """What ``vllm serve`` has imported when ``load_general_plugins()`` first runs (vLLM's
+    ``EngineArgs.add_cli_args``, after ``vllm.entrypoints.cli.serve`` imported the API server)."""
+    try:
+        import vllm.entrypoints.openai.api_server  # noqa: F401
+    except ImportError:
+        pass  # a release without it: the bare process
 
 
 def warm_register(repeats: int) -> dict[str, Any]:
