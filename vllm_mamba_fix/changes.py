@@ -12,7 +12,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # As _log.py names them (a test holds them equal): the session lengthens no chain of imports.
@@ -32,11 +32,12 @@ class Change:
     value: Any = None  # what the plugin put there
 
 
-@dataclass(eq=False)
 class _Owned:
-    ref: weakref.ref[Any]
-    names: set[str] = field(default_factory=set)
     change: Change | None = None
+
+    def __init__(self, ref: weakref.ref[Any]) -> None:
+        self.ref = ref
+        self.names: set[str] = set()
 
 
 def _namespace(instance: Any) -> dict[str, Any] | None:

@@ -12,7 +12,6 @@ tests/e2e/test_cache_reuse.py.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -120,7 +119,7 @@ def test_a_scheduler_living_through_the_undo_is_settled_by_the_next_wrapper(
     assert scheduler._mamba_block_aligned_split(request(0), 400) == 256  # engaged
     assert installation.undo(lambda change: True)
     assert scheduler.cache_config is real
-    off = dataclasses.replace(OPTIONS, block_rule=False)
+    off = OPTIONS._replace(block_rule=False)
     cls._mamba_block_aligned_split = make_wrapper(method, off)
     assert scheduler._mamba_block_aligned_split(request(0), 400) == 384  # vLLM's own
     assert scheduler.cache_config is real
@@ -139,7 +138,7 @@ def test_vllms_exception_propagates() -> None:
 def test_starved_the_configured_answer_stops_at_the_caches_boundary() -> None:
     """A cache block longer than any chunk: asked in it, 0.15-0.26 would floor to 0 forever.
     The configured answer, stopped at the next cache boundary, is what stock schedules."""
-    cls = scheduler_class(options=dataclasses.replace(OPTIONS, advances_sub_block=False))
+    cls = scheduler_class(options=OPTIONS._replace(advances_sub_block=False))
     scheduler = build(cls, budget=300)
     setattr(scheduler, BLOCK_ATTR, 2048)
     ask = scheduler._mamba_block_aligned_split

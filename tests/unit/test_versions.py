@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 
@@ -114,7 +113,7 @@ def _settings(**kwargs: object) -> Settings:
     seconds = kwargs.pop("seconds", 30.0)
     env = kwargs.pop("env", {})
     base = load_settings(env)  # type: ignore[arg-type]
-    return dataclasses.replace(base, mode=mode, stall_seconds=seconds)  # type: ignore[arg-type]
+    return base._replace(mode=mode, stall_seconds=seconds)  # type: ignore[arg-type]
 
 
 def _rules(version: str, evidence: Evidence = UNREADABLE, **kwargs: object) -> frozenset[Rule]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 WATCHDOG_MIN_STEPS = 3  # steps at one position before the watchdog may name a stall
 REPEATED = 2  # a 0 that repeats at one position is one vLLM would return forever
@@ -179,8 +180,7 @@ def stall_cause(
     return StallCause.UNKNOWN
 
 
-@dataclass(frozen=True)
-class StallReport:
+class StallReport(NamedTuple):
     request_id: str
     position: int
     prompt_tokens: int

@@ -55,13 +55,13 @@ def _dry_run_step(state: _Run, targets: list[schedulers.Target]) -> None:
         forced: Settings | None = None
         if not state.setup.should_patch:  # disabled, or an unreadable version: as enabling it
             mode = Mode.AUTO if family.verdict is not Verdict.UNKNOWN else Mode.FORCE
-            forced = dataclasses.replace(state.settings, mode=mode, problems=())
+            forced = state.settings._replace(mode=mode, problems=())
         started = time.perf_counter()
         state.dry = schedulers.dry_run(report, forced, targets, plugin)
         report.data["timings_seconds"]["dry_run"] = round(time.perf_counter() - started, 3)
         state.found = verdict.of_records(state.dry.records)
         why = report.data["dry_run"].get("error") or "no record"  # cannot load it, ...
-        state.evidence = dataclasses.replace(UNREADABLE, problem=f"not read: {why}")
+        state.evidence = UNREADABLE._replace(problem=f"not read: {why}")
     base = state.found.base
     state.evidence = base.evidence if base is not None else state.evidence
     report.data["evidence"] = {
@@ -155,7 +155,7 @@ def run(
         return _finish(report, "unknown", version, "", [])
     checked = preflight(settings.mode, family, version)
     # What the release data alone says (no code read): the report's ``version`` column.
-    unforced = dataclasses.replace(settings, mode=Mode.AUTO, switched_off=frozenset(), problems=())
+    unforced = settings._replace(mode=Mode.AUTO, switched_off=frozenset(), problems=())
     setup = verdict.Setup(family, version, checked.outcome.waits_for_scheduler, checked.reason,
                           plan(unforced, family, Evidence()))  # fmt: skip
     state = _Run(report, settings, setup)

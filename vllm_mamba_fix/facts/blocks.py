@@ -5,8 +5,7 @@ the cache keeps 256: vLLM #54076, the block-unit rule's header). This module onl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 BLOCK_ATTR = "_vllm_mamba_fix_block_size"  # the unit (0: unreadable), set by split_settle.py
 SPLIT_ATTR = "_vllm_mamba_fix_split"  # its SplitState, set at a scheduler's first split
@@ -14,8 +13,7 @@ CACHE_CONFIG_ATTR = "cache_config"
 NO_MAMBA_GROUP = "no Mamba KV cache group"
 
 
-@dataclass(frozen=True)
-class BlockUnit:
+class BlockUnit(NamedTuple):
     mamba: int | None  # the Mamba KV cache groups' block size; None: unreadable
     configured: int | None  # cache_config.block_size, which vLLM's own split uses
     problem: str | None = None
@@ -78,8 +76,7 @@ def _read_through(view: Any, name: str) -> Any:
     return getattr(view._real, name)
 
 
-@dataclass(frozen=True)
-class SplitState:  # what the split wrapper needs of one scheduler, settled at its first split
+class SplitState(NamedTuple):  # what the split wrapper needs of a scheduler, from its first split
     size: int  # the unit corrections align to; 0: the split rules stand down
     view: CacheConfigView | None = None  # the block-unit rule engaged: vLLM's split reads it
     configured: int = 0  # cache_config.block_size, which vLLM's own split floors to

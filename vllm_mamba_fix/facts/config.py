@@ -10,8 +10,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 ENV_MODE = "VLLM_MAMBA_FIX"
 ENV_SCOPE = "VLLM_MAMBA_FIX_SCOPE"
@@ -56,8 +55,7 @@ _SWITCH_VALUES: dict[str, bool] = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(NamedTuple):
     mode: Mode = Mode.AUTO
     scope: Scope = Scope.MULTIMODAL
     # Seconds a request may get 0 tokens before the watchdog names it; None: off.

@@ -10,14 +10,13 @@ import io
 import linecache
 import textwrap
 import tokenize
-from dataclasses import dataclass
 from types import CodeType
+from typing import NamedTuple
 
 from vllm_mamba_fix.facts.targets import ENCODER_METHOD, FREE_METHOD, SPLIT_METHOD
 
 
-@dataclass(frozen=True)
-class Evidence:  # None: the code could not tell (unreadable source, or a shape not seen before)
+class Evidence(NamedTuple):  # None: the code could not tell (unreadable source, or a new shape)
     split_after_encoder: bool | None = None
     deferred_encoder_free: bool | None = None
     problem: str | None = None  # why something could not be read

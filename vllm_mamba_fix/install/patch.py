@@ -10,7 +10,6 @@ its active line once (that module is imported only then). Every change goes thro
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -160,7 +159,7 @@ def settle_method(
     found = describe_method(cls, name, wanted)
     if replaced:
         note = f"{function.__module__} replaced the plugin's wrapper; wrapped the replacement"
-        return dataclasses.replace(found, state=MethodState.WRAPPED_REPLACEMENT, note=note)
+        return found._replace(state=MethodState.WRAPPED_REPLACEMENT, note=note)
     return found
 
 
@@ -312,7 +311,7 @@ def check_class(
         ):
             found = _settle_class(cls, installed)
         if unit is not None:
-            found = dataclasses.replace(found, block=unit, split_idle=split_idle)
+            found = found._replace(block=unit, split_idle=split_idle)
         record.remember(found)
         if log and name not in setup.lines_logged:
             from vllm_mamba_fix.install.active_line import log_record
@@ -366,7 +365,7 @@ def _refresh_others(settled: type, installed: _Installed) -> None:
         )
         if methods == found.methods:
             continue
-        changed = dataclasses.replace(found, methods=methods)
+        changed = found._replace(methods=methods)
         record.remember(changed)
         if name in setup.lines_logged:
             moved = "; ".join(m.describe() for m in methods if m not in found.methods)

@@ -9,7 +9,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from vllm_mamba_fix._log import fields, logger
@@ -62,19 +61,20 @@ wall_clock = time.time  # tests put their own here
 SEND_SECONDS = 1.0
 
 
-@dataclass
 class Tally:
     """A forked child keeps its parent's and starts its own timer and finalizers (the pids)."""
 
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEYS, 0))
-    logged_requests: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    # request id -> wall-clock start (its first 0) of a named stall, until it moves/ends/is freed
-    standing: dict[str, float] = field(default_factory=dict)
-    unsent: dict[str, int] = field(default_factory=dict)  # counted, not yet sent to metrics
     sender_pid: int | None = None  # the process whose timer will send them (None: none pending)
     step_sender_pid: int | None = None  # the process whose steps end with a send (no timer)
     finalizer_pid: int | None = None  # whose exit sends the rest
     summary_pid: int | None = None  # whose exit logs the summary
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(KEYS, 0)
+        self.logged_requests: OrderedDict[str, None] = OrderedDict()
+        # request id -> wall-clock start (its first 0) of a named stall, until moved/ended/freed
+        self.standing: dict[str, float] = {}
+        self.unsent: dict[str, int] = {}  # counted, not yet sent to metrics
 
 
 def stats() -> dict[str, int]:

@@ -20,7 +20,6 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -57,7 +56,6 @@ class Support(NamedTuple):
 _lock = threading.RLock()  # re-entered if a registry collects while _serve_here holds it
 
 
-@dataclass
 class Exported:
     """The session's memory of metrics in this process (a forked child chooses again)."""
 

@@ -3,11 +3,9 @@ line, :func:`vllm_mamba_fix.stats` nor doctor parses log text."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import threading
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.plan import Plan, Rule
@@ -31,8 +29,7 @@ class MethodState(enum.Enum):
         return self in (MethodState.WRAPPED, MethodState.WRAPPED_REPLACEMENT)
 
 
-@dataclass(frozen=True)
-class MethodRecord:
+class MethodRecord(NamedTuple):
     name: str
     state: MethodState
     owner: str  # the class whose namespace holds what the class resolves
@@ -46,8 +43,7 @@ class MethodRecord:
         return f"{text}: {self.note}" if self.note else text
 
 
-@dataclass(frozen=True)
-class ClassRecord:
+class ClassRecord(NamedTuple):
     scheduler_class: str  # module.qualname
     plan: Plan
     evidence: Evidence
@@ -121,7 +117,7 @@ def note_block_unit(cls: type, unit: BlockUnit) -> None:  # settled at a schedul
         known = installation.memory[Records]
         found = known.get(class_name(cls))
         if found is not None:
-            known[found.scheduler_class] = dataclasses.replace(found, block=unit)
+            known[found.scheduler_class] = found._replace(block=unit)
     counters.record_block_unit(unit.mamba, unit.configured)  # the block-size gauges
 
 

@@ -8,7 +8,6 @@ the split wrapper reads it for the same request at the same position. No vLLM im
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba_fix.changes import installation
@@ -19,7 +18,6 @@ from vllm_mamba_fix.changes import installation
 EncoderCut = tuple[int, int, int, int, int]
 
 
-@dataclass
 class EncoderNote:
     """The session's memory: the last check's answer."""
 

@@ -7,8 +7,7 @@ call: a result with tokens ends the request's streak of 0s; an in-scope 0 counts
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import failure_reporter
 from vllm_mamba_fix.decide.scope import ScopePolicy
@@ -20,8 +19,7 @@ from vllm_mamba_fix.rules.split_settle import block_size_of
 from vllm_mamba_fix.rules.zero_streaks import ZeroStreaks
 
 
-@dataclass(frozen=True)
-class EncoderOptions:
+class EncoderOptions(NamedTuple):
     """Options of the encoder wrapper."""
 
     scope: ScopePolicy

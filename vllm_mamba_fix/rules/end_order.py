@@ -5,8 +5,7 @@ types are read only inside :func:`support`."""
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.stalls import Streak
@@ -17,8 +16,7 @@ _OUTPUT_FIELDS = ("request_id", "new_token_ids", "finish_reason", "stop_reason")
 CLIENT_MESSAGE_PREFIX = "vllm-mamba-fix ended this request"
 
 
-@dataclass(frozen=True)
-class EndOrder:
+class EndOrder(NamedTuple):
     request_id: str
     position: int
     computed: int  # request.num_computed_tokens when ordered: unchanged, or no end

@@ -6,8 +6,7 @@ state is set under :data:`SPLIT_ATTR` through the record of changes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import fields, logger
 from vllm_mamba_fix.changes import installation
@@ -28,8 +27,7 @@ from vllm_mamba_fix.facts.versions import PrefillGate
 from vllm_mamba_fix.rules import block_unit
 
 
-@dataclass(frozen=True)
-class WrapOptions:  # which rules the split wrapper carries
+class WrapOptions(NamedTuple):  # which rules the split wrapper carries
     prefill_gate: PrefillGate
     scope: ScopePolicy
     deadlock_rules: bool = True  # the split rule: collapse, re-align, encoder stop in scope

@@ -24,8 +24,7 @@ their outputs to vLLM's. The order comes from the watchdog's look at an earlier 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import failure_reporter, logger
 from vllm_mamba_fix._log import fields as log_fields
@@ -35,8 +34,7 @@ from vllm_mamba_fix.rules.end_order import EndOrder, take_orders
 from vllm_mamba_fix.rules.marking import marked
 
 
-@dataclass(frozen=True)
-class EndOptions:
+class EndOptions(NamedTuple):
     """Options of the ``update_from_output`` wrapper (None: that part is off)."""
 
     stall_seconds: float | None  # of 0 tokens before the watchdog names a stall

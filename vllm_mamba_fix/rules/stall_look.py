@@ -9,10 +9,9 @@ its end (:mod:`vllm_mamba_fix.rules.stall_watch`). Imports no vLLM.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.decision import in_prefill_by_position
@@ -26,8 +25,7 @@ SAMPLE_SECONDS = 1.0
 _ADMITTED = ("WAITING", "PREEMPTED")  # the statuses the waiting loop takes
 
 
-@dataclasses.dataclass(frozen=True)
-class Watching:
+class Watching(NamedTuple):
     """What a sample needs beyond the step: the rule's bounds and the rule itself."""
 
     seconds: float  # of 0 tokens before a stall is named
@@ -37,13 +35,11 @@ class Watching:
     rule: Any
 
 
-@dataclasses.dataclass
 class _Watch:
     """One scheduler's watchdog: its streaks, and the steps and time since its last sample."""
 
-    store: ZeroStreaks
-    last: float = float("-inf")
-    steps: int = 0
+    def __init__(self, store: ZeroStreaks) -> None:
+        self.store, self.last, self.steps = store, float("-inf"), 0
 
 
 class Watches(weakref.WeakKeyDictionary[Any, _Watch]):

@@ -17,7 +17,6 @@ order is carried out at the next step (``stall_end``). No vLLM import."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 import weakref
 from collections.abc import Callable
@@ -152,7 +151,7 @@ def name_stall(scheduler: Any, request: Any, heard: Heard, speculative: bool | N
             cause = StallCause.SHARED_CACHE
     streak.cause = cause
     note = "" if end_after is None else _end_note(scheduler, proof, end_after)
-    report = dataclasses.replace(report, cause=cause, end_note=note)
+    report = report._replace(cause=cause, end_note=note)
     extra = fields(
         "stall-named", request_id=report.request_id, position=report.position,
         prompt_tokens=report.prompt_tokens, cause=cause.value, seconds=round(report.seconds, 3),
