@@ -14,6 +14,7 @@ Measured in processes that already imported vLLM, as ``load_general_plugins()`` 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 import time
@@ -83,12 +84,11 @@ def cold_register(case: str) -> dict[str, Any]:
 
 
 def _import_front_end() -> None:
-    """What ``vllm serve`` has imported when ``load_general_plugins()`` first runs (vLLM's
-    ``EngineArgs.add_cli_args``, after ``vllm.entrypoints.cli.serve`` imported the API server)."""
-    try:
+    """What ``vllm serve`` has imported when ``load_general_plugins()`` first runs (in vLLM's
+    ``EngineArgs.add_cli_args``, after ``vllm.entrypoints.cli.serve`` imported the API
+    server). A release without that module: the bare process."""
+    with contextlib.suppress(ImportError):
         import vllm.entrypoints.openai.api_server  # noqa: F401
-    except ImportError:
-        pass  # a release without it: the bare process
 
 
 def warm_register(repeats: int) -> dict[str, Any]:

@@ -33,7 +33,7 @@ def view_for(scheduler: Any, unit: BlockUnit, block_rule: bool) -> CacheConfigVi
     sizes = {"scheduler_class": name, "block": unit.mamba, "configured_block": unit.configured}
     current = vars(scheduler).get(CACHE_CONFIG_ATTR)
     if isinstance(current, CacheConfigView):
-        return current  # engaged by an earlier settlement (the class re-wrapped)
+        return current  # engaged by an earlier settlement (one whose state could not be set)
     cache, configured = unit.mamba, unit.configured
     stores = f"the Mamba KV cache stores {cache}-token blocks but cache_config.block_size is "
     warning = (
