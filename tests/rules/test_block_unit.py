@@ -20,7 +20,7 @@ import pytest
 
 from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.scope import ScopePolicy
-from vllm_mamba_fix.facts.blocks import BLOCK_ATTR, CacheConfigView
+from vllm_mamba_fix.facts.blocks import BLOCK_ATTR, SPLIT_ATTR, CacheConfigView
 from vllm_mamba_fix.facts.config import Scope
 from vllm_mamba_fix.facts.versions import PrefillGate
 from vllm_mamba_fix.observe import counters
@@ -124,6 +124,7 @@ def test_a_scheduler_living_through_the_undo_is_settled_by_the_next_wrapper(
     assert scheduler._mamba_block_aligned_split(request(0), 400) == 384  # vLLM's own
     assert scheduler.cache_config is real
     assert scheduler.seen == [CACHE_BLOCK, CONFIGURED]
+    assert getattr(scheduler, SPLIT_ATTR).view is None  # settled again, not the first state
 
 
 def test_vllms_exception_propagates() -> None:
