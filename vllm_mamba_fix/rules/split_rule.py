@@ -107,7 +107,8 @@ def _known_signature(original: Callable[..., int], rule: SplitRule) -> Callable[
         args = num_new_local_computed_tokens, num_external_computed_tokens
         if num_uncached_common_prefix_tokens is not NOT_GIVEN:
             args += (num_uncached_common_prefix_tokens,)
-        return look(SplitCall(self, request, num_new_tokens, answer, sum(args[:2]), state, args))
+        offset = extra_computed_tokens(args, NO_KWARGS)
+        return look(SplitCall(self, request, num_new_tokens, answer, offset, state, args))
 
     return split
 
