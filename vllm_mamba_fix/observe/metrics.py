@@ -101,10 +101,11 @@ def _sink_here() -> Writer | Local | None:
         say_once(logging.INFO, line, why, event=None)
         return None
     shared, private = directories()
-    if not (shared and os.path.isdir(shared)) and (mem.local is not None and mem.local.pid == pid):
+    shared = shared if shared and os.path.isdir(shared) else None  # checked once
+    if shared is None and mem.local is not None and mem.local.pid == pid:
         mem.off_pid = None
         return mem.local
-    if shared and os.path.isdir(shared):
+    if shared:
         mem.writer = Writer(found[1], shared)
     elif private:  # the API server's, made by its first engine core; only if it is this user's
         os.makedirs(private, mode=0o700, exist_ok=True)
