@@ -83,7 +83,7 @@ def test_encoder_wrapper_never_raises_and_keeps_vllms_result(
     instance.encoder_blocked = True
     logs.clear()
     broken = FakeRequest()
-    broken.mm_features = None  # type: ignore[assignment]  # malformed: the wrapper's read fails
+    broken.mm_features = [object()]  # malformed (no mm_position): the wrapper's read fails
     for _ in range(3):
         assert instance._try_schedule_encoder_inputs(broken, 0, 64, 10) == ([], 0, 10, [])
     logs.assert_no_traceback()

@@ -137,9 +137,7 @@ BROKEN_REQUESTS: dict[str, Callable[[], Any]] = {
     "no-num_prompt_tokens": lambda: Bare(
         **{k: v for k, v in _full().items() if k != "num_prompt_tokens"}
     ),
-    "no-has_encoder_inputs": lambda: Bare(
-        **{k: v for k, v in _full().items() if k != "has_encoder_inputs"}
-    ),
+    "no-mm_features": lambda: Bare(**{k: v for k, v in _full().items() if k != "mm_features"}),
     "no-request_id": lambda: Bare(**{k: v for k, v in _full().items() if k != "request_id"}),
     "every-attribute-raises": Exploding,
 }

@@ -8,6 +8,7 @@ Scheduler, stock against 0.28.0: tests/scheduler/ and tests/properties/test_regr
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 from typing import Any
 
@@ -40,8 +41,12 @@ def vllm_split(scheduler: Any, request: Any, num_new_tokens: int, *_: Any) -> in
 def request(rid: str = "r", at: int = 0, images: bool = True) -> Any:
     return SimpleNamespace(
         request_id=rid, num_computed_tokens=at, num_prompt_tokens=PROMPT, num_tokens=PROMPT,
-        num_output_tokens=0, has_encoder_inputs=images,
+        num_output_tokens=0, mm_features=[IMAGE] if images else [],
     )  # fmt: skip
+
+
+# An input past every chunk here: a request holds it, and no encoder cache is there to wait on.
+IMAGE = SimpleNamespace(identifier="image", mm_position=SimpleNamespace(offset=PROMPT, length=1))
 
 
 pytestmark = pytest.mark.usefixtures("session")
@@ -230,3 +235,94 @@ def test_a_whole_block_is_kept_where_the_tail_frees_nothing(other_holds: bool) -
     call = SplitCall(scheduler, req, 600, vllm_split(scheduler, req, 600), 0, SplitState(BLOCK), ())
     assert call.answer == 512
     assert SplitRule(vllm_split, wrap).correct(call, 0) == (512 if other_holds else 600)
+
+
+def test_the_checks_wrapper_notes_a_cut_and_forgets_it_at_an_uncut_answer() -> None:
+    """The split reads the note of the check vLLM asked right before it: a cut is noted for
+    it, and an answer the check did not cut leaves none behind (a later split of the same
+    request at the same position, asked that many tokens, is a token-budget cut)."""
+    from vllm_mamba_fix.changes import installation
+    from vllm_mamba_fix.rules.encoder_wrapper import EncoderOptions, make_encoder_wrapper
+
+    given = {"tokens": 100}
+
+    def check(self: Any, request: Any, computed: int, asked: int, budget: int, shift: int = 0):
+        return [], min(asked, given["tokens"]), budget, None
+
+    wrapper = make_encoder_wrapper(check, EncoderOptions(ScopePolicy(Scope.MULTIMODAL), False))
+    scheduler, req = object(), request()
+    note = installation.memory[encoder_cut.EncoderNote]
+    assert wrapper(scheduler, req, 0, 300, 10)[1] == 100
+    assert note.last == (id(scheduler), id(req), 0, 300, 100)
+    assert wrapper(scheduler, req, 0, 100, 10)[1] == 100  # uncut: the note goes
+    assert note.last is None
+    given["tokens"] = 0
+    assert wrapper(scheduler, req, 0, 300, 10)[1] == 0  # a 0 is a cut too
+    assert note.last == (id(scheduler), id(req), 0, 300, 0)
+
+
+@pytest.mark.parametrize("trailing", [2, 3])
+def test_the_known_wrapper_forwards_every_trailing_argument(trailing: int) -> None:
+    """0.24-0.25's split takes a third trailing argument; the others two. The wrapper built
+    for each passes vLLM's arguments through as given, defaults included."""
+    from vllm_mamba_fix.rules.split_rule import make_wrapper
+
+    seen: list[tuple[int, ...]] = []
+
+    def two(self: Any, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
+            num_external_computed_tokens: int = 0) -> int:  # fmt: skip
+        seen.append((num_new_local_computed_tokens, num_external_computed_tokens))
+        return num_new_tokens
+
+    def three(self: Any, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
+              num_external_computed_tokens: int = 0,
+              num_uncached_common_prefix_tokens: int = 0) -> int:  # fmt: skip
+        seen.append((num_new_local_computed_tokens, num_external_computed_tokens,
+                     num_uncached_common_prefix_tokens))  # fmt: skip
+        return num_new_tokens
+
+    wrap = WrapOptions(PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL))
+    wrapper = make_wrapper(two if trailing == 2 else three, wrap)
+    state = SplitState(BLOCK, quiet=True, whole_chunks_cross=False)  # settled: no rule acts
+    scheduler = object.__new__(type("Scheduler", (), {"_vllm_mamba_fix_split": state}))
+    given = tuple(range(5, 5 + trailing))
+    assert wrapper(scheduler, request(at=PROMPT), 1, *given) == 1
+    assert wrapper(scheduler, request(at=PROMPT), 1) == 1
+    assert seen == [given, (0,) * trailing]
+    with pytest.raises(TypeError):
+        wrapper(scheduler, request(at=PROMPT), 1, *range(trailing + 1))
+
+
+@pytest.mark.parametrize("starved", [False, True])
+@pytest.mark.parametrize("others", [False, True])
+@pytest.mark.parametrize("deadlock_rules", [False, True])
+def test_the_known_wrappers_early_returns_are_exactly_where_look_keeps_vllms_answer(
+    starved: bool, others: bool, deadlock_rules: bool
+) -> None:
+    """The wrapper returns a chunk out of the split rule's reach without ``look`` where the
+    settled state says no rule acts on it (``others_stand``): over requests with and without
+    inputs, starts on, before and past a boundary, and chunks under, at and past a block, its
+    answer is ``look``'s (the early returns only skip work)."""
+    from vllm_mamba_fix.rules.split_rule import make_wrapper
+
+    def known(self: Any, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
+              num_external_computed_tokens: int = 0) -> int:  # fmt: skip
+        return vllm_split(self, request, num_new_tokens)
+
+    options = WrapOptions(
+        PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL),
+        deadlock_rules=deadlock_rules, realign_others=others,
+    )  # fmt: skip
+    rule = SplitRule(known, options)
+    stand = not starved and not rule.realign_others  # as split_settle.settle sets it
+    state = SplitState(BLOCK, starved=starved, others_stand=stand)
+    scheduler = object.__new__(type("Scheduler", (), {"_vllm_mamba_fix_split": state}))
+    wrapper = make_wrapper(known, options)
+    for images, start, asked in itertools.product(
+        (True, False), (0, 1, 100, BLOCK - 1, BLOCK, BLOCK + 1, 700), (1, 100, BLOCK - 1, BLOCK,
+        BLOCK + 1, 600)
+    ):  # fmt: skip
+        req = request(at=start, images=images)
+        answer = vllm_split(scheduler, req, asked)
+        looked = rule.look(SplitCall(scheduler, req, asked, answer, 0, state, (0, 0)))
+        assert wrapper(scheduler, req, asked) == looked, (images, start, asked, answer)

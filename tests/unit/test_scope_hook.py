@@ -12,9 +12,10 @@ from vllm_mamba_fix.decide.scope import ScopePolicy, builtin_in_scope, load_thir
 from vllm_mamba_fix.facts.config import Scope
 from vllm_mamba_fix.hookspecs import ENTRY_POINT_GROUP
 
-TEXT = SimpleNamespace(request_id="text", has_encoder_inputs=False, priority=0)
-IMAGE = SimpleNamespace(request_id="image", has_encoder_inputs=True, priority=0)
-VIP_TEXT = SimpleNamespace(request_id="vip", has_encoder_inputs=False, priority=-1)
+# mm_features as vLLM's Request has them: a list, empty for a text request.
+TEXT = SimpleNamespace(request_id="text", mm_features=[], priority=0)
+IMAGE = SimpleNamespace(request_id="image", mm_features=[object()], priority=0)
+VIP_TEXT = SimpleNamespace(request_id="vip", mm_features=[], priority=-1)
 
 
 def test_builtin_scopes() -> None:

@@ -87,6 +87,9 @@ class SplitState(NamedTuple):  # what the split wrapper needs of a scheduler, fr
     starved: bool = False
     quiet: bool = False  # no call can need a look: return vLLM's answer
     whole_chunks_cross: bool = True  # see decide.decision.whole_chunks_may_cross
+    # No rule acts on a request out of the split rule's reach (no block-unit view or stop, no
+    # re-align of others): the known wrapper returns vLLM's answer for it at once.
+    others_stand: bool = False
 
 
 def longest_chunk(scheduler: Any) -> int | None:

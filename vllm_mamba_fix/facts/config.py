@@ -41,8 +41,10 @@ class Scope(enum.Enum):
 
 def builtin_in_scope(request: Any, scope: Scope) -> bool:
     """The built-in rule (``multimodal``: requests with encoder inputs), the one copy: asked
-    directly without a third-party rule, else as the hook's last impl (``scope.BuiltinScope``)."""
-    return scope is Scope.ALL or bool(request.has_encoder_inputs)
+    directly without a third-party rule, else as the hook's last impl (``scope.BuiltinScope``).
+    vLLM's ``has_encoder_inputs`` is ``len(mm_features) > 0`` on every release 0.15-0.34,
+    through two properties: the list is read directly (the split wrapper asks per call)."""
+    return scope is Scope.ALL or bool(request.mm_features)
 
 
 _MODE_VALUES: dict[str, Mode] = {

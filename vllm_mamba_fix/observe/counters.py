@@ -155,13 +155,12 @@ def _timer_ends(tally: Tally) -> None:
     _send(tally)
 
 
-def step_ends() -> None:
-    """The end of a scheduler step: its corrections are sent before its outputs, and this
-    process needs no timer thread from now on (one a second cost an engaged step about 1%)."""
-    tally = installation.memory[Tally]
-    tally.step_sender_pid = os.getpid()
-    if tally.unsent:
-        _send(tally)
+def session_tally() -> Tally:
+    """The session's tally, which the ``update_from_output`` wrapper holds (the session that
+    made the wrapper removes it): at the end of each step it sets ``step_sender_pid`` (this
+    process sends its counts at step ends, so it needs no timer thread: one a second cost an
+    engaged step about 1%) and sends the step's corrections before its outputs."""
+    return installation.memory[Tally]
 
 
 def send_counts() -> None:

@@ -2,8 +2,9 @@
 
 Through 0.27.1 ``schedule()`` asks ``_try_schedule_encoder_inputs`` right before the split, which
 then floors the cut chunk; 0.28 splits first (vLLM #51603). The split alone cannot tell an
-encoder cut from a token-budget cut; the check's wrapper notes each answer in the session, and
-the split wrapper reads it for the same request at the same position. No vLLM import.
+encoder cut from a token-budget cut; the check's wrapper notes each cut in the session (and
+forgets it at an answer it did not cut), and the split wrapper reads it for the same request at
+the same position. No vLLM import.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ class EncoderNote:
     """The session's memory: the last check's answer."""
 
     last: EncoderCut | None = None
+
+
+def session_note() -> EncoderNote:
+    """The session's note, which the check's wrapper holds: the session that made the wrapper
+    removes it when it closes."""
+    return installation.memory[EncoderNote]
 
 
 def note(scheduler: Any, request: Any, computed: int, asked: int, given: int) -> None:

@@ -1,7 +1,7 @@
 # Carrier of: speculative-stall (rules/speculative_stall.py) and the split rule's ear.
 """The wrapper of ``Scheduler._try_schedule_encoder_inputs``: the speculative-stall rule's
-carrier, and the split rule's ear (each answer is noted for the split vLLM asks next). Per
-call: a result with tokens ends the request's streak of 0s; an in-scope 0 counts for the rule.
+carrier, and the split rule's ear (a cut is noted for the split vLLM asks next). Per call: a
+result with tokens ends the request's streak of 0s; an in-scope 0 counts for the rule.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def make_encoder_wrapper(
     streaks = zeros.by_request
     on_zero = _zero_handler(original, options, zeros)
     fall_back = failure_reporter("the encoder-input check")
+    cuts = encoder_cut.session_note()
 
     def wrapper(
         self: Any,
@@ -47,16 +48,23 @@ def make_encoder_wrapper(
         result = original(self, request, num_computed_tokens, num_new_tokens,
                           encoder_compute_budget, shift_computed_tokens)  # fmt: skip
         try:
-            if not result[1] and num_new_tokens:
-                if on_zero is not None:
+            given = result[1]
+            if given >= num_new_tokens:  # uncut: no note for the split vLLM asks next
+                cuts.last = None
+            else:
+                if not given and on_zero is not None:
                     call = EncoderCall(
                         self, request, num_computed_tokens, num_new_tokens,
                         encoder_compute_budget, shift_computed_tokens,
                     )  # fmt: skip
                     result = on_zero(call, result)
-            elif streaks and request.request_id in streaks:
+                    given = result[1]
+                # encoder_cut.EncoderCut, for the split vLLM asks next
+                cuts.last = (id(self), id(request), num_computed_tokens, num_new_tokens, given)
+                if not given:
+                    return result  # a 0: its streak goes on
+            if streaks and request.request_id in streaks:
                 zeros.clear(request.request_id)
-            encoder_cut.note(self, request, num_computed_tokens, num_new_tokens, result[1])
             return result
         except Exception as exc:
             return fall_back(exc, result)

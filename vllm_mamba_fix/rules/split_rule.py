@@ -45,33 +45,34 @@ from vllm_mamba_fix.rules import block_unit, encoder_cut, split_reads
 from vllm_mamba_fix.rules.marking import marked
 from vllm_mamba_fix.rules.split_settle import WrapOptions, settle
 
-# The known wrapper's default for the third trailing argument, which only 0.24-0.25 have.
-NOT_GIVEN: Any = object()
 NO_KWARGS: Kwargs = {}  # the known signature's keywords: none (only unpacked, never changed)
 
 
 def extra_computed_tokens(args: Args, kwargs: Kwargs) -> int:
-    extra = sum(args[: len(EXTRA_COMPUTED_PARAMETERS)])
-    for name in EXTRA_COMPUTED_PARAMETERS[len(args) :]:
-        extra += kwargs.get(name, 0)
-    return extra
+    given = sum(args[: len(EXTRA_COMPUTED_PARAMETERS)])
+    return given + sum(kwargs.get(name, 0) for name in EXTRA_COMPUTED_PARAMETERS[len(args) :])
 
 
 def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable[..., int]:
     """Wrap the split ``original``; vLLM's own exceptions propagate, the wrapper's never do."""
     rule = SplitRule(original, options)
-    if split_reads.has_known_parameters(original):
-        wrapper = _known_signature(original, rule)
-    else:
+    if not split_reads.has_known_parameters(original):
         wrapper = _any_signature(original, rule)
+    elif split_reads.takes_third_parameter(original):
+        wrapper = _known_signature_of_three(original, rule)
+    else:
+        wrapper = _known_signature(original, rule)
     return marked(wrapper, original, options)
 
 
 def _known_signature(original: Callable[..., int], rule: SplitRule) -> Callable[..., int]:
     """The wrapper for the split's known parameters, the one vLLM calls on every release: it
     forwards positionally (no *args, about 0.6 us a call) and returns a whole chunk (every
-    decode) on one comparison and one flag; the rest meets ``rule.look``. A scheduler's state
-    is set at its first split and deleted by unregister(): it is this wrapper's settling."""
+    decode) on one comparison and one flag, and a chunk out of the split rule's reach (its 0s;
+    any chunk where no rule acts on others) on a few more; the rest meets ``rule.look``. 0.24-
+    0.25's third trailing parameter has a wrapper of its own, so no call tests for it. A
+    scheduler's state is set at its first split, before vLLM is asked (it may engage the
+    block-unit rule's view), and deleted by unregister()."""
     settled, look, takes, fall_back = rule.settled, rule.look, rule.takes, rule.fall_back
 
     def split(
@@ -80,33 +81,60 @@ def _known_signature(original: Callable[..., int], rule: SplitRule) -> Callable[
         num_new_tokens: int,
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
-        num_uncached_common_prefix_tokens: int = NOT_GIVEN,  # 0.24-0.25's third
     ) -> int:
         try:
             state = self._vllm_mamba_fix_split  # facts.blocks.SPLIT_ATTR
         except AttributeError:
             state = settled(self)
-        if num_uncached_common_prefix_tokens is NOT_GIVEN:
-            answer = original(
-                self, request, num_new_tokens, num_new_local_computed_tokens,
-                num_external_computed_tokens,
-            )  # fmt: skip
-        else:
-            answer = original(
-                self, request, num_new_tokens, num_new_local_computed_tokens,
-                num_external_computed_tokens, num_uncached_common_prefix_tokens,
-            )  # fmt: skip
+        answer = original(
+            self, request, num_new_tokens, num_new_local_computed_tokens,
+            num_external_computed_tokens,
+        )  # fmt: skip
         try:
             if answer == num_new_tokens:
                 if not state.whole_chunks_cross:  # also where quiet
                     return answer
-            elif state.quiet or not (answer or takes(request)):
-                return answer  # a 0 out of the split rule's reach (re-aligning never acts)
+            elif state.quiet or not (takes(request) or (answer and not state.others_stand)):
+                return answer  # out of the split rule's reach: a 0, or where no rule acts
         except Exception as exc:
             return fall_back(exc, answer)
         args = num_new_local_computed_tokens, num_external_computed_tokens
-        if num_uncached_common_prefix_tokens is not NOT_GIVEN:
-            args += (num_uncached_common_prefix_tokens,)
+        offset = extra_computed_tokens(args, NO_KWARGS)
+        return look(SplitCall(self, request, num_new_tokens, answer, offset, state, args))
+
+    return split
+
+
+def _known_signature_of_three(original: Callable[..., int], rule: SplitRule) -> Callable[..., int]:
+    """:func:`_known_signature`'s wrapper with 0.24-0.25's third trailing parameter."""
+    settled, look, takes, fall_back = rule.settled, rule.look, rule.takes, rule.fall_back
+
+    def split(
+        self: Any,
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        num_uncached_common_prefix_tokens: int = 0,
+    ) -> int:
+        try:
+            state = self._vllm_mamba_fix_split
+        except AttributeError:
+            state = settled(self)
+        answer = original(
+            self, request, num_new_tokens, num_new_local_computed_tokens,
+            num_external_computed_tokens, num_uncached_common_prefix_tokens,
+        )  # fmt: skip
+        try:
+            if answer == num_new_tokens:
+                if not state.whole_chunks_cross:
+                    return answer
+            elif state.quiet or not (takes(request) or (answer and not state.others_stand)):
+                return answer
+        except Exception as exc:
+            return fall_back(exc, answer)
+        args = (num_new_local_computed_tokens, num_external_computed_tokens,
+                num_uncached_common_prefix_tokens)  # fmt: skip
         offset = extra_computed_tokens(args, NO_KWARGS)
         return look(SplitCall(self, request, num_new_tokens, answer, offset, state, args))
 
@@ -211,7 +239,7 @@ class SplitRule:
             if can_need_correction(answer, call.asked, start, state.size):
                 answer = self.correct(call._replace(answer=answer), start)
             request = call.request
-            dropping = not answer and request.has_encoder_inputs
+            dropping = not answer and request.mm_features
             if dropping and split_reads.drop_waiting_references(call.scheduler, request):
                 rid, dropped = request.request_id, Action.ENCODER_REFERENCES_DROPPED
                 counters.record(dropped, rid, start, 0, state.size)
@@ -293,8 +321,7 @@ class SplitRule:
     def _uncut_answer(self, call: SplitCall, start: int) -> int | None:
         """Where the encoder check cut exactly this chunk: vLLM's split of the chunk the check
         was asked for (0.28's order: its look-ahead shift is in the cut already). Else None."""
-        # (scheduler id, request id, position, asked, given)
-        note = installation.memory[encoder_cut.EncoderNote].last
+        note = installation.memory[encoder_cut.EncoderNote].last  # encoder_cut.EncoderCut
         if note is None:
             return None
         scheduler, request, asked = call.scheduler, call.request, call.asked
@@ -365,8 +392,8 @@ def _scope_test(scope: Any) -> Callable[[Any], bool]:
         builtin = builtin_scope(scope)
     except Exception:  # a scope of another kind: it answers for itself, per request
         builtin = None
-    if builtin is Scope.MULTIMODAL:
-        return operator.attrgetter("has_encoder_inputs")  # no frame of its own per call
+    if builtin is Scope.MULTIMODAL:  # facts.config.builtin_in_scope, with no Python frame
+        return operator.attrgetter("mm_features")  # a list: true where it holds an input
     if builtin is Scope.ALL:
         return lambda request: True
     return scope.in_scope

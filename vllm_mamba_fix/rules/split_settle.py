@@ -91,6 +91,7 @@ def settle(scheduler: Any, options: WrapOptions) -> tuple[SplitState, BlockUnit]
         starved
         or whole_chunks_may_cross(realigns, not options.realign_others, split_block or size, size)
     )
-    state = SplitState(size, view, configured_size, beyond, starved, quiet, cross)
+    stand = view is None and not starved and not (others and options.realign)
+    state = SplitState(size, view, configured_size, beyond, starved, quiet, cross, stand)
     installation.set_on(scheduler, SPLIT_ATTR, state)
     return state, unit

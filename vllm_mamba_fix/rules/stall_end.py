@@ -23,13 +23,14 @@ their outputs to vLLM's. The order comes from the watchdog's look at an earlier 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import failure_reporter, logger
 from vllm_mamba_fix._log import fields as log_fields
 from vllm_mamba_fix.observe import counters
-from vllm_mamba_fix.rules import stall_look, stall_watch
+from vllm_mamba_fix.rules import end_order, stall_look, stall_watch
 from vllm_mamba_fix.rules.end_order import EndOrder, take_orders
 from vllm_mamba_fix.rules.marking import marked
 
@@ -108,7 +109,10 @@ def make_update_from_output_wrapper(
     original: Callable[..., Any], options: Any
 ) -> Callable[..., Any]:
     """Wrap ``update_from_output``: end the ordered requests first, as vLLM ends aborts, then
-    let the watchdog look at the step (one dict lookup and a clock read per step)."""
+    let the watchdog look at the step (one dict lookup and a clock read per step). A step
+    without orders or counts reads two of the session's objects, held here: every call into
+    the package's functions costs microseconds in a step that has evicted them from cache."""
+    orders, tally, getpid = end_order.session_orders(), counters.session_tally(), os.getpid
     fall_back = failure_reporter("ending a stalled request")
     watch_failed = failure_reporter("the stall watchdog")
     seconds = options.stall_seconds
@@ -119,14 +123,17 @@ def make_update_from_output_wrapper(
         )
 
     def wrapper(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        ended = _end_orders(self, scheduler_output, fall_back)
+        # Any scheduler's (the weak dictionary's own dict: its truth is a C call, its len not)
+        ended = _end_orders(self, scheduler_output, fall_back) if orders.data else None
         if observe is not None:
             try:
                 observe(self, scheduler_output)
             except Exception as exc:
                 watch_failed(exc, None)
         outputs = original(self, scheduler_output, *args, **kwargs)
-        counters.step_ends()  # the step's corrections reach /metrics before its outputs
+        tally.step_sender_pid = getpid()  # counters.session_tally() says why
+        if tally.unsent:  # the step's corrections reach /metrics before its outputs
+            counters.send_counts()
         if ended:
             try:
                 _deliver(outputs, ended)
