@@ -12,8 +12,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 # As _log.py names them (a test holds them equal): the session lengthens no chain of imports.
 _logger = logging.getLogger("vllm.mamba_fix")
@@ -22,8 +21,7 @@ _MISSING: Any = object()
 INSTANCE_TAG = "instance attributes"
 
 
-@dataclass(eq=False)
-class Change:
+class Change(NamedTuple):  # the session finds and removes a change by identity (``is``)
     tag: str  # who made it: the module's name (its kind, after a colon, where it has two)
     what: str  # for a reader: what was changed
     revert: Callable[[], None]

@@ -73,7 +73,8 @@ def test_the_proof_matches_its_definition(
 def test_the_bound_needs_time_and_repeated_zeros_after_naming(
     steps_named: int, since_named: float, bound: float, ordered: bool
 ) -> None:
-    streak = Streak(7, 3, 0.0, warned=True, named_at=0.0, steps_named=steps_named)
+    streak = Streak(7, 3, 0.0)
+    streak.warned, streak.named_at, streak.steps_named = True, 0.0, steps_named
     streak.ordered = ordered
     due = end_due(streak, since_named, bound)
     assert due == (not ordered and steps_named >= REPEATED and since_named >= bound)

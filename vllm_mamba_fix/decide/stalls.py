@@ -6,25 +6,28 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 WATCHDOG_MIN_STEPS = 3  # steps at one position before the watchdog may name a stall
 REPEATED = 2  # a 0 that repeats at one position is one vLLM would return forever
 
 
-@dataclass
 class Streak:
-    position: int
-    steps: int
-    since: float  # monotonic time of the first 0 at this position
-    warned: bool = False  # named by the watchdog
+    """A request's run of 0s at one position; the watchdog sets the rest as it learns. A plain
+    class: a dataclass writes its methods from source as its module loads (start-up)."""
+
+    warned = False  # named by the watchdog
     named_at: float | None = None
-    steps_named: int = 0  # 0s seen after the naming
+    steps_named = 0  # 0s seen after the naming
     cause: StallCause | None = None
-    ordered: bool = False  # its request is to be ended (stall_end)
-    unproven_until: float = float("-inf")  # its own inputs fit: look again from then
+    ordered = False  # its request is to be ended (stall_end)
+    unproven_until = float("-inf")  # its own inputs fit: look again from then
     window_end: int | None = None  # end of the smallest chunk it waits for (once named)
+
+    def __init__(self, position: int, steps: int, since: float) -> None:
+        self.position = position
+        self.steps = steps
+        self.since = since  # monotonic time of the first 0 at this position
 
 
 def watchdog_due(streak: Streak, now: float, seconds: float) -> bool:
