@@ -124,6 +124,7 @@ def _step_arms() -> tuple[dict[str, dict[str, Callable[..., Any]]], list[str]]:
     return arms, sorted(wrapped)
 
 
+@hotpath.engine_time()
 def step_bench(workload: str, state: str, rounds: int, steps: int) -> dict[str, Any]:
     """Stock, bare wrappers and the plugin, schedule() + update_from_output(), per step."""
     cls = hotpath._scheduler_class()
@@ -157,6 +158,7 @@ def step_bench(workload: str, state: str, rounds: int, steps: int) -> dict[str, 
                 times[arm] += sinks[arm]
     finally:
         hotpath._install(cls, arms["plugin"])  # the plugin as registered
+    sample_us = hotpath.sample_cost(owner["plugin"], 10)
 
     def ratio(arm: str) -> dict[str, float]:
         return quantiles([x / y for x, y in zip(times[arm], times["stock"], strict=True)])
@@ -171,6 +173,7 @@ def step_bench(workload: str, state: str, rounds: int, steps: int) -> dict[str, 
         "running_requests": min(running),
         "diverged_steps": diverged,
         "steps": len(times["stock"]),
+        "sample_us": sample_us,  # one watchdog sample, once a second of the engine's clock
     }
 
 
@@ -409,7 +412,9 @@ def rows(data: dict[str, Any], row: Callable[..., None]) -> None:
             f"{fmt(per['stock']['median'] / 1e3, 2)}, bare {fmt(per['bare']['median'] / 1e3, 2)}, "
             f"plugin {fmt(per['plugin']['median'] / 1e3, 2)}; n={st['steps']} steps each, "
             f"{st['running_requests']} running, wrapped: {', '.join(st['wrapped'])}; "
-            f"{st['diverged_steps']} diverged",
+            f"{st['diverged_steps']} diverged; the watchdog's clock at "
+            f"{hotpath.ENGINE_STEP_SECONDS * 1e3:.0f} ms a step, a sample (once a second) "
+            f"adds {fmt(st['sample_us']['median'], 0) if 'sample_us' in st else 'n/a'} us",
             f"<= {TARGET_STEP_RATIO}, 0 diverged",
             plugin["median"] <= TARGET_STEP_RATIO and st["diverged_steps"] == 0)  # fmt: skip
         codes = st.get("bytecodes")

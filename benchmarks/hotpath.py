@@ -19,9 +19,11 @@ Microbench: each method itself, wrapper against original, on the same request ob
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -588,6 +590,49 @@ def _timed_step(scheduler: Any, sink: list[int]) -> None:
     shadow_step(scheduler, timed)
 
 
+# The watchdog's clock in the step benches: this many seconds a step, the stock step's time
+# here (about 5 ms), as an engine stepping back to back reads its clock.
+ENGINE_STEP_SECONDS = 0.005
+
+
+@contextlib.contextmanager
+def engine_time() -> Iterator[None]:
+    """The watchdog samples once a second of its clock; an engine steps back to back, so on
+    this machine that is one step in about 200. The benches spend far more untimed time
+    between a scheduler's steps (a ``gc.collect()`` a step, the other arms' steps, the fake
+    runner), which on the wall clock would put a sample in every fifth step or so. Its clock
+    here advances one engine step per look (the look reads it once a step); a sample's own
+    cost is timed apart (:func:`sample_cost`)."""
+    from vllm_mamba_fix.rules import stall_watch
+
+    real = stall_watch.clock
+    stall_watch.clock = itertools.count(0.0, ENGINE_STEP_SECONDS).__next__
+    try:
+        yield
+    finally:
+        stall_watch.clock = real
+
+
+def sample_cost(harness: Any, pairs: int) -> dict[str, Any]:
+    """What one of the watchdog's samples adds to a step: ``pairs`` steps of the plugin as
+    installed whose look samples (its clock a second on), each before one that does not."""
+    from vllm_mamba_fix.rules import stall_watch
+
+    sinks: dict[bool, list[int]] = {True: [], False: []}
+    real, now = stall_watch.clock, 1e6
+    try:
+        for sampled in [True, False] * pairs:
+            now += 1.0 if sampled else 0.0
+            stall_watch.clock = itertools.repeat(now).__next__
+            _timed_step(harness.scheduler, sinks[sampled])
+            gc.collect()
+            harness.step()
+    finally:
+        stall_watch.clock = real
+    return quantiles([(y - x) / 1e3 for x, y in zip(sinks[False], sinks[True], strict=True)])
+
+
+@engine_time()
 def text_step_bench(rounds: int, steps: int) -> dict[str, Any]:
     """Stock against the plugin as registered, text only, schedule() + update_from_output()."""
     cls = _scheduler_class()

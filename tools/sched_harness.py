@@ -40,6 +40,7 @@ Typical use::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -49,6 +50,7 @@ import inspect
 import itertools
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections import deque
@@ -369,6 +371,7 @@ def model_dir(architecture: str) -> Path:
     if architecture not in _MODEL_DIRS:
         config = _qwen35_config() if architecture == QWEN35_ARCH else _lfm2_vl_config()
         path = Path(tempfile.mkdtemp(prefix=f"mamba-fix-{architecture}-"))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)  # one per process, not kept
         (path / "config.json").write_text(json.dumps(config, indent=1))
         _MODEL_DIRS[architecture] = path
     return _MODEL_DIRS[architecture]
