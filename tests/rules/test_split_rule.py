@@ -262,9 +262,10 @@ def test_the_checks_wrapper_notes_a_cut_and_forgets_it_at_an_uncut_answer() -> N
 
 
 @pytest.mark.parametrize("trailing", [2, 3])
-def test_the_known_wrapper_forwards_every_trailing_argument(trailing: int) -> None:
-    """0.24-0.25's split takes a third trailing argument; the others two. The wrapper built
-    for each passes vLLM's arguments through as given, defaults included."""
+def test_the_wrapper_forwards_every_trailing_argument(trailing: int) -> None:
+    """0.24-0.25's split takes a third trailing argument (the wrapper for any signature); the
+    others two (the positional one). Each passes vLLM's arguments through as given, defaults
+    included."""
     from vllm_mamba_fix.rules.split_rule import make_wrapper
 
     seen: list[tuple[int, ...]] = []

@@ -21,8 +21,6 @@ UPDATE_METHOD = "update_from_output"  # wrapped: an ordered stall end runs where
 
 SPLIT_LEADING_PARAMETERS = ("self", "request", "num_new_tokens")
 EXTRA_COMPUTED_PARAMETERS = ("num_new_local_computed_tokens", "num_external_computed_tokens")
-# Trailing parameters of every release's split (0.24-0.25 add the third).
-KNOWN_SPLIT_TRAILING_PARAMETERS = (*EXTRA_COMPUTED_PARAMETERS, "num_uncached_common_prefix_tokens")
 # Every release from 0.15 to 0.33 has exactly these.
 ENCODER_PARAMETERS = (
     "self", "request", "num_computed_tokens", "num_new_tokens", "encoder_compute_budget",

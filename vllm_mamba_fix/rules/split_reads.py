@@ -8,7 +8,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from vllm_mamba_fix.facts.targets import KNOWN_SPLIT_TRAILING_PARAMETERS, SPLIT_LEADING_PARAMETERS
+from vllm_mamba_fix.facts.targets import EXTRA_COMPUTED_PARAMETERS, SPLIT_LEADING_PARAMETERS
 
 
 def drop_waiting_references(scheduler: Any, request: Any) -> bool:
@@ -29,19 +29,10 @@ def drop_waiting_references(scheduler: Any, request: Any) -> bool:
     return dropped
 
 
-def _trailing(method: Callable[..., int]) -> list[inspect.Parameter]:
-    parameters = list(inspect.signature(method).parameters.values())
-    return parameters[len(SPLIT_LEADING_PARAMETERS) :]
-
-
 def has_known_parameters(method: Callable[..., int]) -> bool:
-    parameters = _trailing(method)
-    names, known = tuple(p.name for p in parameters), KNOWN_SPLIT_TRAILING_PARAMETERS
-    return names in (known[:2], known) and all(
+    """The two trailing parameters of every release but 0.24-0.25 (which add a third)."""
+    parameters = list(inspect.signature(method).parameters.values())
+    parameters = parameters[len(SPLIT_LEADING_PARAMETERS) :]
+    return tuple(p.name for p in parameters) == EXTRA_COMPUTED_PARAMETERS and all(
         p.kind is p.POSITIONAL_OR_KEYWORD and p.default == 0 for p in parameters
     )
-
-
-def takes_third_parameter(method: Callable[..., int]) -> bool:
-    """Whether a split of known parameters has 0.24-0.25's third trailing one."""
-    return len(_trailing(method)) == len(KNOWN_SPLIT_TRAILING_PARAMETERS)

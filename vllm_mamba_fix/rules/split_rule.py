@@ -56,12 +56,10 @@ def extra_computed_tokens(args: Args, kwargs: Kwargs) -> int:
 def make_wrapper(original: Callable[..., int], options: WrapOptions) -> Callable[..., int]:
     """Wrap the split ``original``; vLLM's own exceptions propagate, the wrapper's never do."""
     rule = SplitRule(original, options)
-    if not split_reads.has_known_parameters(original):
-        wrapper = _any_signature(original, rule)
-    elif split_reads.takes_third_parameter(original):
-        wrapper = _known_signature_of_three(original, rule)
-    else:
+    if split_reads.has_known_parameters(original):
         wrapper = _known_signature(original, rule)
+    else:  # 0.24-0.25's third trailing parameter too: no call of the others tests for it
+        wrapper = _any_signature(original, rule)
     return marked(wrapper, original, options)
 
 
@@ -69,8 +67,7 @@ def _known_signature(original: Callable[..., int], rule: SplitRule) -> Callable[
     """The wrapper for the split's known parameters, the one vLLM calls on every release: it
     forwards positionally (no *args, about 0.6 us a call) and returns a whole chunk (every
     decode) on one comparison and one flag, and a chunk out of the split rule's reach (its 0s;
-    any chunk where no rule acts on others) on a few more; the rest meets ``rule.look``. 0.24-
-    0.25's third trailing parameter has a wrapper of its own, so no call tests for it. A
+    any chunk where no rule acts on others) on a few more; the rest meets ``rule.look``. A
     scheduler's state is set at its first split, before vLLM is asked (it may engage the
     block-unit rule's view), and deleted by unregister()."""
     settled, look, takes, fall_back = rule.settled, rule.look, rule.takes, rule.fall_back
@@ -105,44 +102,9 @@ def _known_signature(original: Callable[..., int], rule: SplitRule) -> Callable[
     return split
 
 
-def _known_signature_of_three(original: Callable[..., int], rule: SplitRule) -> Callable[..., int]:
-    """:func:`_known_signature`'s wrapper with 0.24-0.25's third trailing parameter."""
-    settled, look, takes, fall_back = rule.settled, rule.look, rule.takes, rule.fall_back
-
-    def split(
-        self: Any,
-        request: Any,
-        num_new_tokens: int,
-        num_new_local_computed_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-        num_uncached_common_prefix_tokens: int = 0,
-    ) -> int:
-        try:
-            state = self._vllm_mamba_fix_split
-        except AttributeError:
-            state = settled(self)
-        answer = original(
-            self, request, num_new_tokens, num_new_local_computed_tokens,
-            num_external_computed_tokens, num_uncached_common_prefix_tokens,
-        )  # fmt: skip
-        try:
-            if answer == num_new_tokens:
-                if not state.whole_chunks_cross:
-                    return answer
-            elif state.quiet or not (takes(request) or (answer and not state.others_stand)):
-                return answer
-        except Exception as exc:
-            return fall_back(exc, answer)
-        args = (num_new_local_computed_tokens, num_external_computed_tokens,
-                num_uncached_common_prefix_tokens)  # fmt: skip
-        offset = extra_computed_tokens(args, NO_KWARGS)
-        return look(SplitCall(self, request, num_new_tokens, answer, offset, state, args))
-
-    return split
-
-
 def _any_signature(original: Callable[..., int], rule: SplitRule) -> Callable[..., int]:
-    """The wrapper for a split whose trailing parameters the plugin does not know."""
+    """The wrapper for any other split's parameters (0.24-0.25's third trailing one, or a
+    platform's): the same answers as the known one's (``look`` decides every early return)."""
     settled, look = rule.settled, rule.look
 
     def split(self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> int:
