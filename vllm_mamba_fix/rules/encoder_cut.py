@@ -26,7 +26,8 @@ class EncoderNote:
 
 
 def session_note() -> EncoderNote:
-    """The session's note, which the check's wrapper holds: the session that made the wrapper
+    """The session's note, which the check's wrapper holds to forget a cut at every uncut
+    answer (a cut, rare, is noted through :func:`note`): the session that made the wrapper
     removes it when it closes."""
     return installation.memory[EncoderNote]
 

@@ -59,8 +59,7 @@ def make_encoder_wrapper(
                     )  # fmt: skip
                     result = on_zero(call, result)
                     given = result[1]
-                # encoder_cut.EncoderCut, for the split vLLM asks next
-                cuts.last = (id(self), id(request), num_computed_tokens, num_new_tokens, given)
+                encoder_cut.note(self, request, num_computed_tokens, num_new_tokens, given)
                 if not given:
                     return result  # a 0: its streak goes on
             if streaks and request.request_id in streaks:
