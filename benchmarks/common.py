@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 RESULT_TAG = "BENCH-RESULT "
@@ -114,6 +115,19 @@ def run_worker(
     if proc.returncode != 0 or not results:
         raise WorkerError(f"{' '.join(args)}: exit code {proc.returncode}, output tail:\n{tail}")
     return WorkerRun(json.loads(results[-1]), seconds, tail)
+
+
+Arm = TypeVar("Arm")
+
+
+def arm_order(arms: Sequence[Arm], turn: int) -> list[Arm]:
+    """The order side-by-side arms run in at ``turn``: every permutation in turn, so over a
+    cycle (2 arms: 2 turns, 3 arms: 6) each arm runs in each place and before each other arm
+    equally often. A rotation is not balanced past two arms: of three, the second always runs
+    right after the first, and here the first step after ``gc.collect()`` is about 10% slower
+    than the third, so three identical arms read 0.98 and 1.02 of the first."""
+    orders = list(itertools.permutations(arms))
+    return list(orders[turn % len(orders)])
 
 
 def median(values: Sequence[float]) -> float:

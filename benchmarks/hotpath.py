@@ -11,8 +11,8 @@ Three arms, side by side in one run (issue 11 item 3):
 
 ``schedule()``: three identical schedulers (same requests, same warm-up) step in lockstep;
 before each timed ``schedule()`` the class attributes are set to that arm's methods, and the
-order rotates. All three see the same state at every step; the chunks they schedule are
-compared, so a divergence would show.
+arms run in every order in turn (``common.arm_order``). All three see the same state at every
+step; the chunks they schedule are compared, so a divergence would show.
 
 Microbench: each method itself, wrapper against original, on the same request objects.
 """
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import quantiles
+from benchmarks.common import arm_order, quantiles
 
 METHOD = "_mamba_block_aligned_split"
 ENCODER_METHOD = "_try_schedule_encoder_inputs"
@@ -218,9 +218,8 @@ def schedule_bench(rounds: int, steps: int) -> dict[str, Any]:
             running.append(len(harnesses[0].scheduler.running))
             for s in range(steps):
                 gc.collect()
-                shift = (r + s) % len(names)  # rotate which arm runs first
                 chunks = {}
-                for name in names[shift:] + names[:shift]:
+                for name in arm_order(names, r * steps + s):
                     _install(cls, arms[name])
                     chunks[name] = owner[name].step()
                 if any(chunks[name] != chunks["stock"] for name in names):
@@ -423,9 +422,7 @@ def micro_bench(repeats: int, target_ns: int) -> dict[str, Any]:
             order = list(arms.items())
             for i in range(repeats):
                 sample = {}
-                # rotate the order so no arm always runs first
-                shift = i % len(order)
-                for arm, method in order[shift:] + order[:shift]:
+                for arm, method in arm_order(order, i):
                     setattr(cls, case.method, method)
                     bound = getattr(scheduler, case.method)
                     gc.disable()
@@ -656,9 +653,8 @@ def text_step_bench(rounds: int, steps: int) -> dict[str, Any]:
             running.append(len(harnesses[0].scheduler.running))
             for s in range(steps):
                 gc.collect()
-                shift = (r + s) % len(names)
                 chunks = {}
-                for name in names[shift:] + names[:shift]:
+                for name in arm_order(names, r * steps + s):
                     _install(cls, arms[name])
                     chunks[name] = owner[name].step()
                 diverged += chunks["plugin"] != chunks["stock"]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,22 @@ def test_markdown_table_is_well_formed(smoke: tuple[str, dict, str]) -> None:
     assert all(ln.count(" | ") == 4 and ln.endswith(" |") for ln in summary)
     for section in SECTIONS:
         assert section in stdout
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_arm_order_balances_places_and_precedence_over_a_cycle(count: int) -> None:
+    """Each arm runs in each place, and before each other arm, equally often over a cycle: a
+    rotation of three does not (the second always runs right after the first), which read
+    identical arms as 0.98 and 1.02 of the first on this machine."""
+    from benchmarks.common import arm_order
+
+    arms = [f"arm{i}" for i in range(count)]
+    cycle = [arm_order(arms, turn) for turn in range(math.factorial(count))]
+    assert all(sorted(order) == arms for order in cycle)
+    places = Counter((arm, order.index(arm)) for order in cycle for arm in arms)
+    assert set(places.values()) == {math.factorial(count - 1)}
+    follows = Counter(
+        (order[i], order[i + 1]) for order in cycle for i in range(count - 1)
+    )  # right after: what warms or cools the next arm
+    assert len(set(follows.values())) == 1 and len(follows) == count * (count - 1)
+    assert arm_order(arms, len(cycle)) == cycle[0]  # turns past a cycle go round again
