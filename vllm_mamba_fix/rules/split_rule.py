@@ -91,7 +91,7 @@ def _known_signature(original: Callable[..., int], rule: SplitRule) -> Callable[
             if answer == num_new_tokens:
                 if not state.whole_chunks_cross:  # also where quiet
                     return answer
-            elif state.quiet or not (takes(request) or (answer and not state.others_stand)):
+            elif state.quiet or not ((answer and not state.others_stand) or takes(request)):
                 return answer  # out of the split rule's reach: a 0, or where no rule acts
         except Exception as exc:
             return fall_back(exc, answer)

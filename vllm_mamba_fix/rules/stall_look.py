@@ -52,11 +52,13 @@ Observer = Callable[[Any, Any], None]
 def make_observer(watching: Watching) -> Observer:
     """The watchdog's per-step look, for the ``update_from_output`` wrapper to call with the
     scheduler and the step's ``scheduler_output``."""
-    rule = watching.rule
+    # The session's watches, held here (the session that made the wrapper removes it), read
+    # through the weak dictionary's own dict: its get is Python code, a frame a step.
+    rule, watches, ref = watching.rule, installation.memory[Watches], weakref.ref
+    by_ref = watches.data
 
     def observe(scheduler: Any, scheduler_output: Any) -> None:
-        watches = installation.memory[Watches]
-        watch = watches.get(scheduler)
+        watch = by_ref.get(ref(scheduler))
         if watch is None:
             watch = watches[scheduler] = _Watch(ZeroStreaks())
         watch.steps += 1

@@ -54,8 +54,11 @@ class Stores(weakref.WeakSet[ZeroStreaks]):
 
 
 def forget_request(request_id: str) -> None:
-    for store in list(installation.memory[Stores]):
-        if store.by_request:
+    # The weak set's own set of references: its iterator is Python code (a guard and a
+    # generator), which cost a freed request about 20 us in a step that had evicted it.
+    for ref in tuple(installation.memory[Stores].data):
+        store = ref()
+        if store is not None and request_id in store.by_request:
             store.clear(request_id)
 
 
