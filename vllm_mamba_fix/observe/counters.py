@@ -65,7 +65,9 @@ class Tally:
     """A forked child keeps its parent's and starts its own timer and finalizers (the pids)."""
 
     sender_pid: int | None = None  # the process whose timer will send them (None: none pending)
-    step_sender_pid: int | None = None  # the process whose steps end with a send (no timer)
+    # The process whose steps end with a send: it needs no timer (one a second cost an engaged
+    # step about 1%).
+    step_sender_pid: int | None = None
     finalizer_pid: int | None = None  # whose exit sends the rest
     summary_pid: int | None = None  # whose exit logs the summary
 
@@ -153,14 +155,6 @@ def _timer_ends(tally: Tally) -> None:
     with _lock:
         tally.sender_pid = None
     _send(tally)
-
-
-def session_tally() -> Tally:
-    """The session's tally, which the ``update_from_output`` wrapper holds (the session that
-    made the wrapper removes it): at the end of each step it sets ``step_sender_pid`` (this
-    process sends its counts at step ends, so it needs no timer thread: one a second cost an
-    engaged step about 1%) and sends the step's corrections before its outputs."""
-    return installation.memory[Tally]
 
 
 def send_counts() -> None:

@@ -25,13 +25,6 @@ class EncoderNote:
     last: EncoderCut | None = None
 
 
-def session_note() -> EncoderNote:
-    """The session's note, which the check's wrapper holds to forget a cut at every uncut
-    answer (a cut, rare, is noted through :func:`note`): the session that made the wrapper
-    removes it when it closes."""
-    return installation.memory[EncoderNote]
-
-
 def note(scheduler: Any, request: Any, computed: int, asked: int, given: int) -> None:
     """The encoder check of ``scheduler`` gave ``given`` of ``asked`` tokens at ``computed``."""
     installation.memory[EncoderNote].last = (id(scheduler), id(request), computed, asked, given)

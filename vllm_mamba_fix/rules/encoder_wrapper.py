@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import failure_reporter
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.decide.scope import ScopePolicy
 from vllm_mamba_fix.decide.stalls import REPEATED
 from vllm_mamba_fix.rules import encoder_cut, speculative_stall
@@ -35,7 +36,9 @@ def make_encoder_wrapper(
     streaks = zeros.by_request
     on_zero = _zero_handler(original, options, zeros)
     fall_back = failure_reporter("the encoder-input check")
-    cuts = encoder_cut.session_note()
+    # The session's note, held to forget a cut at every uncut answer (a cut, rare, is noted
+    # through encoder_cut.note); the session that made the wrapper removes it.
+    cuts = installation.memory[encoder_cut.EncoderNote]
 
     def wrapper(
         self: Any,

@@ -58,12 +58,6 @@ class Orders(weakref.WeakKeyDictionary[Any, dict[str, EndOrder]]):
     """The session's memory: per scheduler, request id -> its end order."""
 
 
-def session_orders() -> Orders:
-    """The session's orders, which the ``update_from_output`` wrapper holds (the session that
-    made the wrapper removes it)."""
-    return installation.memory[Orders]
-
-
 def order_end(scheduler: Any, order: EndOrder) -> None:
     installation.memory[Orders].setdefault(scheduler, {})[order.request_id] = order
 

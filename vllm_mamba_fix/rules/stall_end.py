@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from vllm_mamba_fix._log import failure_reporter, logger
 from vllm_mamba_fix._log import fields as log_fields
+from vllm_mamba_fix.changes import installation
 from vllm_mamba_fix.observe import counters
 from vllm_mamba_fix.rules import end_order, stall_look, stall_watch
 from vllm_mamba_fix.rules.end_order import EndOrder, take_orders
@@ -112,7 +113,8 @@ def make_update_from_output_wrapper(
     let the watchdog look at the step (one dict lookup and a clock read per step). A step
     without orders or counts reads two of the session's objects, held here: every call into
     the package's functions costs microseconds in a step that has evicted them from cache."""
-    orders, tally, getpid = end_order.session_orders(), counters.session_tally(), os.getpid
+    memory = installation.memory  # the session's, held (the session that made it removes it)
+    orders, tally, getpid = memory[end_order.Orders], memory[counters.Tally], os.getpid
     fall_back = failure_reporter("ending a stalled request")
     watch_failed = failure_reporter("the stall watchdog")
     seconds = options.stall_seconds
@@ -131,7 +133,7 @@ def make_update_from_output_wrapper(
             except Exception as exc:
                 watch_failed(exc, None)
         outputs = original(self, scheduler_output, *args, **kwargs)
-        tally.step_sender_pid = getpid()  # counters.session_tally() says why
+        tally.step_sender_pid = getpid()  # counters.Tally.step_sender_pid says why
         if tally.unsent:  # the step's corrections reach /metrics before its outputs
             counters.send_counts()
         if ended:
