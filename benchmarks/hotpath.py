@@ -599,15 +599,18 @@ def engine_time() -> Iterator[None]:
     between a scheduler's steps (a ``gc.collect()`` a step, the other arms' steps, the fake
     runner), which on the wall clock would put a sample in every fifth step or so. Its clock
     here advances one engine step per look (the look reads it once a step); a sample's own
-    cost is timed apart (:func:`sample_cost`)."""
+    cost is timed apart (:func:`sample_cost`). The same holds for the send of quiet counts
+    (once a second): their clock advances one engine step per read (at most two a step)."""
+    from vllm_mamba_fix.observe import counters
     from vllm_mamba_fix.rules import stall_watch
 
-    real = stall_watch.clock
+    real, real_sends = stall_watch.clock, counters.clock
     stall_watch.clock = itertools.count(0.0, ENGINE_STEP_SECONDS).__next__
+    counters.clock = itertools.count(0.0, ENGINE_STEP_SECONDS).__next__
     try:
         yield
     finally:
-        stall_watch.clock = real
+        stall_watch.clock, counters.clock = real, real_sends
 
 
 def sample_cost(harness: Any, pairs: int) -> dict[str, Any]:

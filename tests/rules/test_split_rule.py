@@ -153,6 +153,33 @@ def test_the_whole_chunk_fast_path_is_exactly_where_decide_changes_nothing() -> 
                     assert fast == (action is Action.UNCHANGED), (size, start, asked, uncut)
 
 
+def test_a_cut_out_of_scope_returns_early_exactly_where_decide_keeps_it() -> None:
+    """``look`` returns a cut answer (short of the chunk, not 0) of a request out of the split
+    rule's scope at once where it ``stays_in_block``: exhaustively, exactly where ``decide()``
+    leaves it unchanged (no encoder cut: such a request's uncut answer is never read); where
+    it crosses a boundary from mid-block, the re-align still applies."""
+    for size in range(1, 9):
+        for start in range(3 * size):
+            for asked in range(2, 3 * size + 2):
+                for answer in range(1, asked):
+                    action = decide(answer, asked, start, size).action
+                    fast = stays_in_block(start, answer, size)
+                    assert fast == (action is Action.UNCHANGED), (size, start, asked, answer)
+                    assert fast or action is Action.REALIGNED
+
+
+def test_a_cut_text_chunk_that_crosses_from_mid_block_is_still_realigned() -> None:
+    """The early return keeps the re-align of a request out of the split rule's scope."""
+    wrap = WrapOptions(PrefillGate.BEFORE_PREFILL_END, ScopePolicy(Scope.MULTIMODAL))
+    rule, scheduler = SplitRule(vllm_split, wrap), object.__new__(type("Scheduler", (), {}))
+    looked = []
+    for at, answer in ((100, 300), (100, 156), (256, 200)):
+        req = request(at=at, images=False)
+        looked.append(rule.look(SplitCall(scheduler, req, 400, answer, 0, SplitState(BLOCK), ())))
+    assert looked == [156, 156, 200]
+    assert counters.stats()["chunks_realigned"] == 1
+
+
 def test_a_0_out_of_scope_is_vllms_whatever_the_rules() -> None:
     """The wrapper returns a 0 of a request out of the split rule's scope at once: the
     corrector returns it too, encoder cut or not, block beyond the longest chunk or not."""

@@ -11,7 +11,9 @@ import pytest
 
 from tests.conftest import InstallScopeRule
 from tools import scenarios as sc
+from tools import sched_harness as harness
 from tools.release_facts import facts_for
+from tools.sched_harness import HarnessConfig, RequestSpec
 from vllm_mamba_fix import records, stats
 from vllm_mamba_fix.facts.versions import Family
 from vllm_mamba_fix.observe import counters
@@ -115,6 +117,83 @@ def test_steps_send_their_corrections_without_a_timer_thread(
     assert sum(corrected.values()) > 0
     assert {key: sent.counts[key] for key in corrected} == corrected  # all sent, none left
     assert timers == []
+
+
+# Two text prompts long enough that the block-unit rule (cache blocks of 256, the configured
+# 128) counts many quiet chunks before either finishes, and one image prompt whose first
+# chunk the split rule corrects (a logged count).
+ENGAGED = HarnessConfig(
+    block_size=256, configured_block_size=128, max_num_batched_tokens=384,
+    encoder_cache_tokens=256, max_model_len=2048,
+)  # fmt: skip
+ENGAGED_TEXT = (
+    RequestSpec("text-1", 1500, max_tokens=2),
+    RequestSpec("text-2", 1300, max_tokens=2),
+)
+LOGGED = {key for action, key in counters.ACTION_KEYS.items() if action not in counters.QUIET}
+
+
+def _step_sends(clock_step: float, specs: tuple[RequestSpec, ...], monkeypatch: Any) -> list[Any]:
+    """Run ``specs`` on the engaged scheduler under a clock that moves ``clock_step`` seconds
+    at each read; per step, (running, counted, sent) of the corrections."""
+    now = [100.0]
+
+    def clock() -> float:
+        now[0] += clock_step
+        return now[0]
+
+    monkeypatch.setattr(counters, "clock", clock)
+    sent, before = _Sent(), counters.metrics
+    counters.report_to(sent)
+    run, seen = harness.Harness(ENGAGED), []
+    run.add(*specs)
+    try:
+        while len(run.finished) < len(specs) and run.step_index < 200:
+            run.step()
+            counted = {k: n for k, n in stats().items() if k in counters.ACTION_KEYS.values() and n}
+            seen.append((bool(run.scheduler.running), counted, dict(sent.counts)))
+    finally:
+        counters.report_to(before)
+    assert len(run.finished) == len(specs)
+    return seen
+
+
+def test_quiet_counts_wait_for_a_second_or_no_running_request(
+    load_plugin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A count no log line states (the block-unit rule's) is sent at most once a second while
+    requests run (a send each step cost an engaged step about 1%), and all of it once none runs."""
+    assert load_plugin()
+    seen = _step_sends(0.0, ENGAGED_TEXT, monkeypatch)  # a clock that never moves
+    assert all(counted.keys() <= {"block_rule_chunks"} for _, counted, _ in seen)
+    held = [counted != sent for running, counted, sent in seen if running]
+    assert sum(held) >= 3, seen  # counted, not yet sent, while the clock stands
+    assert seen[-1][1] == seen[-1][2] and seen[-1][1]  # none runs: everything sent
+    sends = {tuple(sent.items()) for _, _, sent in seen}
+    assert len(sends) == 2, seen  # the first count (no send before it), then the last step's
+
+
+def test_quiet_counts_are_sent_once_their_second_passed(
+    load_plugin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a clock where each read is past the bound, every step sends what it counted."""
+    assert load_plugin()
+    seen = _step_sends(2 * counters.SEND_SECONDS, ENGAGED_TEXT, monkeypatch)
+    assert [counted for _, counted, _ in seen] == [sent for _, _, sent in seen]
+    assert seen[-1][1].get("block_rule_chunks", 0) >= 3
+
+
+def test_a_logged_correction_is_sent_at_its_steps_end(
+    load_plugin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a log line states is at /metrics before its step's outputs, the clock standing."""
+    assert load_plugin()
+    image = RequestSpec("image", 537, ((1, 256), (259, 256)), max_tokens=2)
+    seen = _step_sends(0.0, (*ENGAGED_TEXT, image), monkeypatch)
+    logged = [{k: n for k, n in counted.items() if k in LOGGED} for _, counted, _ in seen]
+    assert any(logged), seen
+    for counts, (_, _, sent) in zip(logged, seen, strict=True):
+        assert {k: sent.get(k, 0) for k in counts} == counts
 
 
 def test_third_party_scope_rule_is_honoured(

@@ -52,12 +52,13 @@ ACTION_RULES: dict[Action, str] = {
 }
 STALL_KEYS = ("stalls_detected", "stalls_resolved", "stalls_ended")
 KEYS: tuple[str, ...] = (*ACTION_KEYS.values(), *STALL_KEYS)
-# Corrections logged at debug only: the block-unit rule's engagement line says it once
-# per scheduler, and it changes most chunks of a long prompt.
-_QUIET = frozenset({Action.BLOCK_ALIGNED, Action.ENCODER_REFERENCES_DROPPED})
+# Corrections logged at debug only, and sent once a second (Tally.send_after): the block-unit
+# rule's engagement line says it once per scheduler, and it changes most chunks of a long prompt.
+QUIET = frozenset({Action.BLOCK_ALIGNED, Action.ENCODER_REFERENCES_DROPPED})
 
 _lock = threading.Lock()
 wall_clock = time.time  # tests put their own here
+clock = time.monotonic  # of the sends (Tally.send_after); tests put their own here
 SEND_SECONDS = 1.0
 
 
@@ -65,11 +66,14 @@ class Tally:
     """A forked child keeps its parent's and starts its own timer and finalizers (the pids)."""
 
     sender_pid: int | None = None  # the process whose timer will send them (None: none pending)
-    # The process whose steps end with a send: it needs no timer (one a second cost an engaged
-    # step about 1%).
+    # The process whose steps send (the update_from_output wrapper): it needs no timer (one a
+    # second cost an engaged step about 1%).
     step_sender_pid: int | None = None
     finalizer_pid: int | None = None  # whose exit sends the rest
     summary_pid: int | None = None  # whose exit logs the summary
+    # Until when a step that still runs requests leaves quiet counts unsent (:data:`clock`;
+    # a send each step cost an engaged step about 1%); a logged count sets it to 0.
+    send_after: float = 0.0
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = dict.fromkeys(KEYS, 0)
@@ -93,8 +97,9 @@ def _count(key: str) -> None:
 
 
 def record(action: Action, request_id: str, start: int, num_tokens: int, block_size: int) -> None:
-    """A correction: counted now, sent to metrics at its step's end (else within
-    :data:`SEND_SECONDS`: a correcting split never writes a file), logged once per request."""
+    """A correction: counted now, sent to metrics by a step's end (:attr:`Tally.send_after`;
+    else by a timer within :data:`SEND_SECONDS`: a correcting split never writes a file),
+    logged once per request."""
     key = ACTION_KEYS[action]
     totals = None
     tally = installation.memory[Tally]
@@ -106,11 +111,13 @@ def record(action: Action, request_id: str, start: int, num_tokens: int, block_s
             if tally.sender_pid != pid and tally.step_sender_pid != pid:
                 _send_soon(tally)
         logged = tally.logged_requests
-        if action not in _QUIET and request_id not in logged:
-            logged[request_id] = None
-            if len(logged) > _MAX_REMEMBERED_REQUESTS:
-                logged.popitem(last=False)
-            totals = dict(tally.counts)
+        if action not in QUIET:
+            tally.send_after = 0.0  # its step sends it: a scrape agrees with the log
+            if request_id not in logged:
+                logged[request_id] = None
+                if len(logged) > _MAX_REMEMBERED_REQUESTS:
+                    logged.popitem(last=False)
+                totals = dict(tally.counts)
     # The fields are built only for a record that is emitted: most corrections log nothing.
     level = logging.INFO if totals is not None else logging.DEBUG
     if not logger.isEnabledFor(level):
@@ -168,6 +175,7 @@ def _send(tally: Tally) -> None:
     with _lock:
         sending = dict(tally.unsent)
         tally.unsent.clear()
+        tally.send_after = clock() + SEND_SECONDS
     sink = metrics
     if sink is None:
         return

@@ -96,7 +96,7 @@ def _known_signature(original: Callable[..., int], rule: SplitRule) -> Callable[
         except Exception as exc:
             return fall_back(exc, answer)
         args = num_new_local_computed_tokens, num_external_computed_tokens
-        offset = extra_computed_tokens(args, NO_KWARGS)
+        offset = num_new_local_computed_tokens + num_external_computed_tokens
         return look(SplitCall(self, request, num_new_tokens, answer, offset, state, args))
 
     return split
@@ -198,6 +198,8 @@ class SplitRule:
                     return answer
             elif not answer and (call.asked <= 0 or not self.takes(call.request)):
                 return answer  # a 0 out of the split rule's reach: vLLM's (re-aligning never)
+            elif stays_in_block(start, answer, state.size) and not self.takes(call.request):
+                return answer  # a cut out of its reach that decide() keeps (no re-align)
             if can_need_correction(answer, call.asked, start, state.size):
                 answer = self.correct(call._replace(answer=answer), start)
             request = call.request

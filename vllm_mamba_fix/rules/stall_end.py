@@ -134,7 +134,11 @@ def make_update_from_output_wrapper(
                 watch_failed(exc, None)
         outputs = original(self, scheduler_output, *args, **kwargs)
         tally.step_sender_pid = getpid()  # counters.Tally.step_sender_pid says why
-        if tally.unsent:  # the step's corrections reach /metrics before its outputs
+        # A logged correction reaches /metrics before its step's outputs, a quiet one within
+        # a second or when no request runs (counters.Tally.send_after).
+        if tally.unsent and (
+            tally.send_after <= counters.clock() or not getattr(self, "running", True)
+        ):
             counters.send_counts()
         if ended:
             try:
