@@ -72,7 +72,7 @@ class Tally:
     finalizer_pid: int | None = None  # whose exit sends the rest
     summary_pid: int | None = None  # whose exit logs the summary
     # Until when a step that still runs requests leaves quiet counts unsent (:data:`clock`;
-    # a send each step cost an engaged step about 1%); a logged count sets it to 0.
+    # a send each step cost an engaged step 1-3%); a logged count sets it to 0.
     send_after: float = 0.0
 
     def __init__(self) -> None:
