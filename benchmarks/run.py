@@ -32,10 +32,10 @@ TARGET_ADDED_US = 0.5
 TARGET_REGISTER_MS = 20.0
 
 TIMEOUTS = {  # seconds per worker process
-    "smoke": {"main": 600, "upstream": 420, "doctor": 120, "imported": 180, "e2e": 0,
-              "newest": 420},
-    "full": {"main": 2700, "upstream": 1500, "doctor": 180, "imported": 300, "e2e": 600,
-             "newest": 1500},
+    "smoke": {"main": 600, "engaged": 420, "upstream": 420, "doctor": 120, "imported": 180,
+              "e2e": 0, "newest": 420},
+    "full": {"main": 2700, "engaged": 1500, "upstream": 1500, "doctor": 180, "imported": 300,
+             "e2e": 600, "newest": 1500},
 }  # fmt: skip
 # The newest release's split, per call and per step (issues 29, 44): only the CUDA `vllm`
 # wheel has it.
@@ -70,9 +70,16 @@ def _upstream_worker(profile: str, timeout: float) -> dict[str, Any]:
     return run_worker(args, timeout=timeout, env=env).result
 
 
+def _engaged_worker(profile: str, timeout: float, pythonpath: str | None = None) -> dict[str, Any]:
+    """Per split call and per step, idle and engaged, in a fresh process (benchmarks/worker.py
+    says why); ``pythonpath`` puts another release's overlay first."""
+    env = worker_env({"VLLM_PLUGINS": None, "VLLM_MAMBA_FIX": None}, pythonpath=pythonpath)
+    args = ["-m", "benchmarks.worker", "--tasks", "engaged", "--profile", profile]
+    return run_worker(args, timeout=timeout, env=env).result["engaged"]
+
+
 def _newest_worker(profile: str, timeout: float) -> dict[str, Any]:
-    """Per split call and per step on the newest release, its overlay first (alone: it is
-    timed)."""
+    """The engaged task on the newest release, its overlay first (alone: it is timed)."""
     from tools import releases
 
     overlay = releases.cache_dir() / "overlays" / NEWEST_RELEASE / "vllm"
@@ -80,9 +87,7 @@ def _newest_worker(profile: str, timeout: float) -> dict[str, Any]:
         return {"skipped": f"vLLM {NEWEST_RELEASE} not cached (python -m tools.releases "
                            f"{NEWEST_RELEASE})"}  # fmt: skip
     pythonpath = releases.pythonpath_for(NEWEST_RELEASE, base=str(REPO))
-    env = worker_env({"VLLM_PLUGINS": None, "VLLM_MAMBA_FIX": None}, pythonpath=pythonpath)
-    args = ["-m", "benchmarks.worker", "--tasks", "split_calls", "--profile", profile]
-    return run_worker(args, timeout=timeout, env=env).result
+    return _engaged_worker(profile, timeout, pythonpath)
 
 
 def _imported_case(count: int, timeout: float) -> list[dict[str, Any]]:
@@ -118,6 +123,7 @@ def collect(profile: str, jobs_at_once: int = 2) -> dict[str, Any]:
     jobs: dict[str, Future[Any]] = {}
     with ThreadPoolExecutor(max_workers=max(1, jobs_at_once)) as pool:
         jobs["main"] = pool.submit(_guard, _main_worker, profile, timeouts["main"])
+        jobs["engaged"] = pool.submit(_guard, _engaged_worker, profile, timeouts["engaged"])
         jobs["upstream"] = pool.submit(_guard, _upstream_worker, profile, timeouts["upstream"])
         if full:
             jobs["doctor"] = pool.submit(_guard, startup.time_doctor, 3, timeouts["doctor"])
@@ -209,7 +215,9 @@ def analyse(results: dict[str, Any]) -> dict[str, Any]:
         row("1 hot path", "schedule() per step, three arms", "error: " + hot["error"][:200])
     else:
         _hot_rows(hot, row)
-    _newest_rows(results.get("newest", {}), row)
+    # Issue 29: the block-unit rule engaged next to idle, here and on the newest release.
+    _engaged_rows(results.get("engaged", {}), "installed release", row)
+    _engaged_rows(results.get("newest", {}), f"vLLM {NEWEST_RELEASE}", row)
 
     # 2. steps and 3. prefix reuse, per mode
     arms = _steps_by_arm(results)
@@ -413,13 +421,6 @@ def _hot_rows(hot: dict[str, Any], row: Any) -> None:
         row("1 hot path", "text-only step (schedule() + update_from_output()), plugin / stock, "
             "per-step ratio, median [IQR]", ratio(q),
             f"<= {TARGET_SCHEDULE_RATIO}", q["median"] <= TARGET_SCHEDULE_RATIO)  # fmt: skip
-    if "error" in hot.get("engaged", {}):
-        row("1 hot path", "split per call and step, idle and engaged",
-            "error: " + hot["engaged"]["error"][:200])  # fmt: skip
-    elif hot.get("engaged"):  # issue 29: the block-unit rule engaged next to idle
-        from benchmarks import engaged
-
-        engaged.rows(hot["engaged"], row)
     scope = hot.get("scope_load")
     if scope:
         row("1 hot path", "scope rules: ScopePolicy.load() when the plugin patches (reads "
@@ -442,11 +443,10 @@ def _hot_rows(hot: dict[str, Any], row: Any) -> None:
             added["median"] < TARGET_ADDED_US if fast else None)  # fmt: skip
 
 
-def _newest_rows(newest: dict[str, Any], row: Any) -> None:
+def _engaged_rows(data: dict[str, Any], release: str, row: Any) -> None:
     from benchmarks import engaged
 
-    measure = f"split per call, vLLM {NEWEST_RELEASE}, idle and engaged"
-    data = newest.get("split_calls", newest)  # the worker's task, or the run's own note
+    measure = f"split per call and step, {release}, idle and engaged"
     if "error" in data:
         row("1 hot path", measure, "error: " + str(data["error"])[:200])
     elif "skipped" in data:

@@ -66,8 +66,9 @@ def test_sections_ran_without_errors(smoke: tuple[str, dict, str]) -> None:
     assert text["diverged_steps"] == 0
     assert {"_mamba_block_aligned_split", "_try_schedule_encoder_inputs"} <= set(text["wrapped"])
     # The block-unit rule engaged next to idle, per split call and per step, with stock and a
-    # bare wrapper side by side; the step's chunks are stock's on every step.
-    engaged = data["results"]["main"]["hotpath"]["engaged"]
+    # bare wrapper side by side, in a process of their own; the step's chunks are stock's on
+    # every step.
+    engaged = data["results"]["engaged"]
     assert set(engaged["calls"]) == set(engaged["steps"]) == ENGAGED_KEYS
     for key, step in engaged["steps"].items():
         assert step["steps"] > 0 and step["diverged_steps"] == 0, (key, step)
@@ -79,7 +80,6 @@ def test_sections_ran_without_errors(smoke: tuple[str, dict, str]) -> None:
         assert calls["engaged"] == key.endswith("/engaged"), (key, calls)
     # The newest release's split per call: measured where its overlay is cached.
     newest = data["results"]["newest"]
-    newest = newest.get("split_calls", newest)
     assert "error" not in newest, newest
     if "skipped" not in newest:
         assert set(newest["calls"]) == ENGAGED_KEYS and newest["vllm"] == "0.34.0"

@@ -196,8 +196,9 @@ class SplitRule:
                         counters.record(Action.REALIGNED, rid, start, 0, state.size)
                         return 0
                     return answer
-            elif not answer and (call.asked <= 0 or not self.takes(call.request)):
-                return answer  # a 0 out of the split rule's reach: vLLM's (re-aligning never)
+            elif not answer:
+                if call.asked <= 0 or not self.takes(call.request):
+                    return answer  # a 0 out of the split rule's reach: vLLM's (re-aligning never)
             elif stays_in_block(start, answer, state.size) and not self.takes(call.request):
                 return answer  # a cut out of its reach that decide() keeps (no re-align)
             if can_need_correction(answer, call.asked, start, state.size):
