@@ -677,8 +677,8 @@ def text_step_bench(rounds: int, steps: int) -> dict[str, Any]:
 
 
 def run(profile: str) -> dict[str, Any]:
-    """The hot path's measures. The ``hotpath`` task adds ``engaged`` (benchmarks/engaged.py,
-    built on this module's helpers) to them: benchmarks/worker.py."""
+    """The hot path's measures (the ``hotpath`` task; the ``engaged`` task, built on this module's
+    helpers, is benchmarks/engaged.py's: benchmarks/worker.py)."""
     smoke = profile == "smoke"
     return {
         "schedule": schedule_bench(rounds=1, steps=16) if smoke else schedule_bench(8, 25),
@@ -686,11 +686,3 @@ def run(profile: str) -> dict[str, Any]:
         "text_step": text_step_bench(rounds=1, steps=16) if smoke else text_step_bench(12, 40),
         "scope_load": scope_load(),
     }
-
-
-def guarded(fn: Callable[..., Any], *args: Any) -> Any:
-    """A failing part is an error row; the rest of the hot path still reports."""
-    try:
-        return fn(*args)
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
