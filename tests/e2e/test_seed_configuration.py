@@ -268,15 +268,22 @@ def test_hits_emit_the_cold_tokens(seed_plugin: tuple[Outcome, Path], phase: str
 
 
 def test_tokens_depend_on_the_cached_mamba_state(seed_plugin: tuple[Outcome, Path]) -> None:
-    """The oracle can fail: a hit over zeroed Mamba states changes the tokens (first turn of
-    conversation 0: hit 256 of 556), while the same hit over intact states does not."""
+    """The oracle can fail: a hit over zeroed Mamba states changes the tokens of at least one
+    of the four repeats (conversation 0's first and last turns, hits of 256 of 556 and 768 of
+    1272, in both phases), while the same hits over intact states change none. Which repeat
+    flips depends on the CPU's kernels: on one AMD EPYC the seed phase's first turn did not,
+    its last turn did."""
     outcome, _ = seed_plugin
     assert outcome.status == "completed", _explain(outcome)
-    prime, warm, broken = (_of(outcome, "seed", kind)[0] for kind in ("prime", "warm", "broken"))
-    assert prime["num_cached_tokens"] == 0
-    assert warm["num_cached_tokens"] == broken["num_cached_tokens"] > 0
-    assert warm["token_ids"] == prime["token_ids"]
-    assert broken["token_ids"] != warm["token_ids"]
+    flipped = []
+    for phase in ("seed", "wide"):
+        repeats = zip(*(_of(outcome, phase, k) for k in ("prime", "warm", "broken")), strict=True)
+        for prime, warm, broken in repeats:
+            assert prime["num_cached_tokens"] == 0
+            assert warm["num_cached_tokens"] == broken["num_cached_tokens"] > 0
+            assert warm["token_ids"] == prime["token_ids"]
+            flipped.append(broken["token_ids"] != warm["token_ids"])
+    assert len(flipped) == 4 and any(flipped), flipped
 
 
 def test_stock_agrees_where_it_completes(
